@@ -1,0 +1,1 @@
+"""teamrl.protocol: the wire between rollouts, the replay buffer and learners (no torch, no vllm)."""
