@@ -1,0 +1,38 @@
+# Thin targets: the logic lives in scripts/ and the teamrl CLI.
+VENV := .venv
+PY := $(VENV)/bin/python
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast bench lint format check-deploy clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/teamrl demo
+
+test: setup
+	$(PY) -m pytest -m "not gpu" -q
+
+test-fast: setup
+	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q
+
+bench: setup
+	$(PY) tests/bench/transport.py --quick
+	$(PY) tests/bench/learner.py --quick
+	$(PY) tests/bench/rollout.py --quick
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+check-deploy: setup
+	$(PY) -m pytest tests/unit/deploy -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

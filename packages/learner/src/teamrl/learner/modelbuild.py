@@ -1,0 +1,189 @@
+"""``teamrl model build``: make the embedded default model offline and deterministically.
+
+No pretrained LM weights can be had on these machines (nothing reaches a model hub), so teamrl builds
+its own: a Qwen2-architecture causal LM (hidden 128, 2 layers, 2 heads, 1 KV head: head_dim 64, the
+smallest vLLM CPU accepts) with a character-level tokenizer over the default task's alphabet
+(``teamrl.rewards.addition``). A tiny vocabulary keeps the output layer cheap. A short seeded supervised
+warm-start (a fixed number of steps, so the build is repeatable) teaches it the formats and some
+addition, leaving headroom for RL to show learning within minutes on 2 CPU cores.
+
+The folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json`` + ``tokenizer_config.json``,
+``generation_config.json`` and ``teamrl_model.json`` (build parameters and the warm-start accuracy), and is
+loaded by vLLM and transformers alike. Any real Hugging Face model folder works through the same config
+key (``model.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+BUILD_VERSION = 1
+DEFAULT_STEPS = 600
+
+
+def default_model_dir() -> Path:
+    root = Path(os.environ.get("TEAMRL_CACHE", Path.home() / ".cache" / "teamrl"))
+    return root / "models" / f"embedded-v{BUILD_VERSION}"
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from teamrl.rewards.addition import CHARS, EOS, SPECIAL_TOKENS
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "pad_token": "<pad>",
+                "bos_token": "<bos>",
+                "model_max_length": 64,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=1,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS, "pad_token": "<pad>", "bos_token": "<bos>"})
+    )
+
+
+def build(out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, force: bool = False) -> Path:
+    """Build the embedded model into ``out`` (default: the cache folder) and return the folder.
+
+    Skips the work when a complete build with the same parameters is already there.
+    """
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from teamrl.rewards import addition
+
+    out = Path(out) if out else default_model_dir()
+    meta_path = out / "teamrl_model.json"
+    params = {"build_version": BUILD_VERSION, "steps": steps, "seed": seed}
+    if meta_path.exists() and not force:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("params") == params:
+            return out
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(tmp)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tmp))
+    vocab_size = 32  # >= len(vocab); a round size keeps kernels happy
+    assert len(tok) <= vocab_size
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    model = Qwen2ForCausalLM(cfg)
+    train, held_out = addition.split_tasks(seed=0)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    t0 = time.time()
+    model.train()
+    for step in range(steps):
+        batch = addition.warmstart_examples(rng, train, 128)
+        ids, labels = _pack(tok, batch)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(
+                f"[model build] step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)",
+                flush=True,
+            )
+    model.eval()
+    acc = greedy_accuracy(model, tok, held_out)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    meta = {
+        "params": params,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "warmstart_seconds": round(time.time() - t0, 1),
+        "held_out_greedy_accuracy": acc,
+        "task": "teamrl.rewards.addition",
+    }
+    (tmp / "teamrl_model.json").write_text(json.dumps(meta, indent=1))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(
+        f"[model build] wrote {out}: {meta['parameters']:,} parameters, held-out solver accuracy {acc['solver']:.3f}, "
+        f"verifier accuracy {acc['verifier']:.3f}",
+        flush=True,
+    )
+    return out
+
+
+def _pack(tok, batch: list[tuple[str, str]]):
+    """Right-padded token ids and labels (-100 outside the response) for causal-LM training."""
+    import torch
+
+    seqs = [(tok.encode(p), tok.encode(r)) for p, r in batch]
+    width = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(seqs):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+    return ids, labels
+
+
+def greedy_accuracy(model, tok, tasks: list[dict], n: int = 200) -> dict[str, float]:
+    """Greedy accuracy of both roles on ``tasks`` (transformers generate; used at build time only)."""
+    import torch
+
+    from teamrl.rewards import addition
+
+    tasks = tasks[:n]
+    rng = random.Random(1)
+    with torch.no_grad():
+        solver = [addition.solver_prompt(t) for t in tasks]
+        got = _greedy(model, tok, solver, 4)
+        s_acc = sum(addition.solver_reward(t, g) for t, g in zip(tasks, got, strict=True)) / len(tasks)
+        cands = [t["answer"] if rng.random() < 0.5 else f"{(int(t['answer']) + 1) % 200:03d}" for t in tasks]
+        ver = [addition.verifier_prompt(t, c) for t, c in zip(tasks, cands, strict=True)]
+        got_v = _greedy(model, tok, ver, 2)
+        v_acc = sum(
+            addition.verifier_reward(t, c, g) for t, c, g in zip(tasks, cands, got_v, strict=True)
+        ) / len(tasks)
+    return {"solver": round(s_acc, 4), "verifier": round(v_acc, 4)}
+
+
+def _greedy(model, tok, prompts: list[str], max_new: int) -> list[str]:
+    import torch
+
+    # Prompts of one role all have the same length, so no padding is needed.
+    ids = torch.tensor([tok.encode(p) for p in prompts])
+    for _ in range(max_new):
+        nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    width = len(tok.encode(prompts[0]))
+    return [tok.decode(row[width:].tolist()) for row in ids]

@@ -1,0 +1,87 @@
+"""The embedded default task: two-digit addition, solved by a solver and checked by a verifier.
+
+Why this task: no pretrained weights can be had here, so the default model is a tiny character-level
+Qwen2 built offline (``teamrl model build``). Addition is learnable by such a model on 2 CPU cores in
+minutes, its reward is exactly verifiable, and the two roles have different reward distributions
+(the solver is right rarely at first, the verifier is right about half the time), which is the
+situation Dr. MAS's agent-wise normalisation is for.
+
+Formats (every character is one token of the embedded tokenizer; ``;`` is the end-of-answer token):
+  solver    prompt ``S07+45=``      response ``52;``  (the sum, zero-padded to 3 digits: ``052;``)
+  verifier  prompt ``V07+45=052?``  response ``1;`` if the candidate is right, else ``0;``
+"""
+
+from __future__ import annotations
+
+import random
+
+# The embedded tokenizer's character vocabulary, in id order after the special tokens.
+SPECIAL_TOKENS = ["<pad>", "<bos>"]
+CHARS = list("0123456789+=;?SVR")
+EOS = ";"
+
+
+def make_task(a: int, b: int) -> dict:
+    return {
+        "id": f"add-{a:02d}-{b:02d}",
+        "a": a,
+        "b": b,
+        "question": f"{a:02d}+{b:02d}=",
+        "answer": f"{a + b:03d}",
+    }
+
+
+def split_tasks(seed: int = 0, n_eval: int = 200) -> tuple[list[dict], list[dict]]:
+    """All 10,000 ordered pairs, shuffled with ``seed``; the last ``n_eval`` are held out."""
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(pairs)
+    tasks = [make_task(a, b) for a, b in pairs]
+    return tasks[:-n_eval], tasks[-n_eval:]
+
+
+def solver_prompt(task: dict) -> str:
+    return "S" + task["question"]
+
+
+def verifier_prompt(task: dict, candidate: str) -> str:
+    return "V" + task["question"] + candidate + "?"
+
+
+def parse_answer(response: str) -> str:
+    """The digits before the first ``;`` (or all digits if none)."""
+    head = response.split(EOS, 1)[0]
+    return "".join(ch for ch in head if ch.isdigit())
+
+
+def solver_reward(task: dict, response: str) -> float:
+    got = parse_answer(response)
+    return 1.0 if got and int(got) == int(task["answer"]) else 0.0
+
+
+def verifier_verdict(response: str) -> bool | None:
+    head = response.split(EOS, 1)[0].strip()
+    return {"1": True, "0": False}.get(head)
+
+
+def verifier_reward(task: dict, candidate: str, response: str) -> float:
+    """1 for a correct verdict on the candidate, 0 for a wrong or unparsable one."""
+    verdict = verifier_verdict(response)
+    if verdict is None:
+        return 0.0
+    return 1.0 if verdict == (solver_reward(task, candidate) == 1.0) else 0.0
+
+
+def warmstart_examples(rng: random.Random, tasks: list[dict], n: int) -> list[tuple[str, str]]:
+    """Supervised (prompt, response) pairs for the model build: both roles, half-wrong candidates."""
+    out = []
+    for _ in range(n):
+        t = rng.choice(tasks)
+        if rng.random() < 0.5:
+            out.append((solver_prompt(t), t["answer"] + EOS))
+        else:
+            right = rng.random() < 0.5
+            s = int(t["answer"])
+            cand = s if right else (s + rng.choice([-10, -1, 1, 10, rng.randint(-30, 30) or 2])) % 200
+            cand_s = f"{cand:03d}"
+            out.append((verifier_prompt(t, cand_s), ("1" if cand_s == t["answer"] else "0") + EOS))
+    return out

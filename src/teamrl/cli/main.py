@@ -1,0 +1,113 @@
+"""The ``teamrl`` command. Arguments are parsed before anything heavy is imported, so ``--help`` is
+instant and a bad config fails before any model loads; each subcommand imports its package lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+NOT_LANDED = "teamrl {name}: not available yet: {why}"
+
+
+def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
+    from pathlib import Path
+
+    if args.model_cmd == "path":
+        from teamrl.learner.modelbuild import default_model_dir
+
+        print(default_model_dir())
+        return 0
+    from teamrl.learner.modelbuild import build
+
+    out = build(out=Path(args.out) if args.out else None, steps=args.steps, seed=args.seed, force=args.force)
+    print(out)
+    return 0
+
+
+def _delegate(module: str, func: str = "main") -> Callable[[argparse.Namespace, list[str]], int]:
+    """A subcommand whose argument parsing lives in its package (``main(argv) -> int``)."""
+
+    def run(args: argparse.Namespace, rest: list[str]) -> int:
+        import importlib
+
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("teamrl"):
+                print(NOT_LANDED.format(name=args.cmd, why=f"{module} has not landed"), file=sys.stderr)
+                return 2
+            raise
+        return int(getattr(mod, func)(rest) or 0)
+
+    return run
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace, list[str]], int] | None]] = {
+    "run": (
+        "start buffer, rollouts and learners on this machine and train (see `teamrl run --help`)",
+        _delegate("teamrl.cli.run"),
+    ),
+    "demo": (
+        "build the embedded model and run the default training job",
+        _delegate("teamrl.cli.run", "demo_main"),
+    ),
+    "rollout": ("run one rollout service (vLLM actor) against a buffer", _delegate("teamrl.rollout.service")),
+    "buffer": ("run the replay buffer service", _delegate("teamrl.learner.buffer_service")),
+    "learner": ("run a learner rank (DeepSpeed)", _delegate("teamrl.learner.service")),
+    "model": ("build the embedded default model (`teamrl model build`), or print its path", _cmd_model),
+    "eval": ("evaluate adapters on a workflow: avg@k and pass@k", _delegate("teamrl.cli.evaluate")),
+    "reward": (
+        "score a JSONL file offline with a reward (`teamrl reward math --input f.jsonl`)",
+        _delegate("teamrl.rewards.cli"),
+    ),
+    "show": ("write a self-contained HTML report of a run folder", _delegate("teamrl.cli.show")),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="teamrl",
+        description="Train teams of LLM agents with reinforcement learning "
+        "(asynchronous actor-learner: vLLM rollouts -> ZeroMQ/Arrow -> replay buffer -> DeepSpeed learners).",
+    )
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for name, (help_, _) in COMMANDS.items():
+        if name == "model":
+            sp = sub.add_parser(name, help=help_, description=help_)
+            sp.add_argument(
+                "model_cmd", choices=["build", "path"], help="build: make the model folder; path: print it"
+            )
+            sp.add_argument("--out", help="output folder (default: $TEAMRL_CACHE/models/embedded-v1)")
+            sp.add_argument(
+                "--steps", type=int, default=600, help="supervised warm-start steps (default 600)"
+            )
+            sp.add_argument("--seed", type=int, default=0)
+            sp.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+        else:
+            # The package parses its own flags (``teamrl NAME --help`` shows them).
+            sub.add_parser(name, help=help_, add_help=False, description=help_)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+    if name == "model":
+        args = parser.parse_args(argv)
+        return COMMANDS[name][1](args, [])
+    args = argparse.Namespace(cmd=name)
+    try:
+        return COMMANDS[name][1](args, argv[1:])
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
