@@ -332,7 +332,10 @@ def _from_batch(batch: pa.RecordBatch) -> list[GraphTrajectory]:
     def strs(arr: pa.Array) -> list[str]:
         # Slicing one bytes object is ~5x faster than Array.to_pylist (no Arrow scalars); utf-8
         # is already checked by validate(full=True). Repeated values (agent ids) share one str.
-        off = np.frombuffer(arr.buffers()[1], np.int32)[arr.offset : arr.offset + len(arr) + 1].tolist()
+        if len(arr) == 0:  # a zero-length array may legally have an empty offsets buffer
+            return []
+        # count/offset, not a whole-buffer view: Arrow buffers may be longer (and oddly sized).
+        off = np.frombuffer(arr.buffers()[1], np.int32, count=len(arr) + 1, offset=4 * arr.offset).tolist()
         data = arr.buffers()[2]
         raw = data.to_pybytes() if data is not None else b""
         cache: dict[bytes, str] = {}
