@@ -36,7 +36,10 @@ class Service:
         env = {**os.environ, **self.env}
         fh = open(self.log, "ab")  # noqa: SIM115  (owned by the child for its lifetime)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "teamrl.cli.main", *self.argv], stdout=fh, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "teamrl.cli.main", *self.argv],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         fh.close()
 

@@ -1,0 +1,425 @@
+"""Advantage estimators: group baselines (GRPO, Dr. GRPO, Dr. MAS) and critic-based GAE (MARFT, verl).
+
+Every function here is pure (tensors in, tensors out, torch only, no module state) so it can be
+checked against the worked examples of ``/work/shared/ALGORITHMS.md`` on 3-element tensors.
+
+Design decisions (the open points of ALGORITHMS.md, chosen once here):
+
+* **Group baselines** (ALGORITHMS.md §4). ``grpo_advantages`` is DeepSeekMath §4.1.2 outcome
+  supervision: Â_i = (R_i − mean_g R) / (std_g R + ε). ``scale=False`` is Dr. GRPO (Liu et al.
+  2503.20783): Â_i = R_i − mean_g R. The std is the *sample* std by default (``unbiased=True``), as
+  verl and DrMAS compute it; pass ``unbiased=False`` for the population std that MARFT/HARL use. A
+  group of one row gets mean 0 and std 1 (verl's rule), so its advantage is R/(1+ε), not 0; use
+  :func:`singleton_group_count` to count such groups in a metric, since they carry no baseline.
+* **Agent-wise normalisation** (Dr. MAS, Feng et al. 2602.08847; DrMAS ``group_by_agent_id=True``):
+  rows are grouped by the pair (group id, agent id), so each agent is normalised by *its own*
+  reward mean and std within the group. This is the paper's fix for gradient-norm spikes: with
+  global normalisation an agent whose rewards live on a large scale dominates the std, and the other
+  agents' advantages collapse to a near-constant (see ``tests/unit/learner/test_advantages.py``).
+  The global alternative that DrMAS implements (``group_by_agent_id=False``: average each
+  trajectory's rows first, normalise one value per trajectory) is :func:`trajectory_advantages`.
+* **Action-level GAE** (MARFT ``ActionBuffer``, ALGORITHMS.md §2): agents are macro-actions in
+  execution order; agent i < n bootstraps from agent i+1 of the *same* step, agent n from agent 1 of
+  the next step, and γ applies between agents (MARFT's choice, kept for parity). This follows the
+  multi-agent advantage decomposition (Kuba et al. 2109.11251, Lemma 1).
+* **Token-level GAE** (MARFT ``TokenBuffer``): inside an action δ = γ_tok·V_{j+1} − V_j with no reward;
+  the last token of an action takes the reward and bootstraps from the next agent's first-token value.
+  MARFT applies γ = 0.99 per token; ``token_gamma`` lets a caller set γ = 1 inside actions so the token
+  MDP equals the action MDP (ALGORITHMS.md open point 2). Default: MARFT's behaviour.
+* **Single-sequence GAE** (Schulman et al. 1506.02438, Eq. 16) with verl's masked recursion: positions
+  with m = 0 (prompt, tool output, padding) carry ``nextvalues`` and the running GAE through unchanged.
+* **V-trace** (Espeholt et al. 1802.01561, §4.1 Eq. 1 and the policy-gradient advantage of §4.2),
+  for a critic trained on stale data; c̄ is a parameter (IMPALA hard-codes 1.0).
+
+Errors: malformed inputs (shape/dtype mismatch, non-finite rewards) raise :class:`AlgorithmError`, a
+``ValueError``; nothing is clamped or dropped without a counter the caller can read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AlgorithmError",
+    "group_index",
+    "singleton_group_count",
+    "grpo_advantages",
+    "agentwise_advantages",
+    "trajectory_advantages",
+    "broadcast_to_tokens",
+    "masked_whiten",
+    "gae",
+    "action_gae",
+    "token_gae",
+    "vtrace",
+]
+
+
+class AlgorithmError(ValueError):
+    """Inputs to a learner algorithm are inconsistent (shapes, dtypes, non-finite values, bad options).
+
+    Shared by ``advantages``, ``losses`` and ``update``; it is a ``ValueError`` so generic callers still
+    catch it.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _check_1d_float(name: str, x: Tensor) -> None:
+    if x.dim() != 1 or not x.is_floating_point():
+        raise AlgorithmError(f"{name} must be a 1-D float tensor [B], got shape {tuple(x.shape)} {x.dtype}")
+    if not torch.isfinite(x).all():
+        bad = int((~torch.isfinite(x)).sum())
+        raise AlgorithmError(f"{name} has {bad} non-finite entries; rewards must be finite")
+
+
+def _check_ids(name: str, ids: Tensor, b: int) -> None:
+    if ids.dim() != 1 or ids.shape[0] != b:
+        raise AlgorithmError(f"{name} must have shape [{b}], got {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise AlgorithmError(f"{name} must be an integer tensor, got {ids.dtype}")
+
+
+def _check_same_shape(**tensors: Tensor) -> None:
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise AlgorithmError(f"shapes must match: {shapes}")
+
+
+# --------------------------------------------------------------------------------------------------
+# group baselines (ALGORITHMS.md §4)
+
+
+def group_index(*ids: Tensor) -> tuple[Tensor, int]:
+    """Dense group index of each row from one or more integer id columns.
+
+    Shapes: each ``ids[k]`` is [B] int; returns (index [B] int64 in [0, G), G).
+    Rows share a group iff all their id columns are equal (e.g. (prompt uid, agent id)).
+    """
+    if not ids:
+        raise AlgorithmError("group_index needs at least one id tensor")
+    if len(ids) == 1:
+        _, inverse = torch.unique(ids[0], return_inverse=True)
+    else:
+        _, inverse = torch.unique(
+            torch.stack([i.to(torch.int64) for i in ids], dim=1), dim=0, return_inverse=True
+        )
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    return inverse, n_groups
+
+
+def singleton_group_count(*ids: Tensor) -> int:
+    """Number of groups with exactly one row (they get Â = R/(1+ε): no baseline). For a metric."""
+    inverse, n_groups = group_index(*ids)
+    if n_groups == 0:
+        return 0
+    return int((torch.bincount(inverse, minlength=n_groups) == 1).sum())
+
+
+def _normalise_in_groups(
+    values: Tensor, inverse: Tensor, n_groups: int, eps: float, scale: bool, unbiased: bool
+) -> Tensor:
+    """(x − mean_g) / (std_g + eps) per group; singleton groups use mean 0, std 1 (verl)."""
+    counts = torch.bincount(inverse, minlength=n_groups).to(values.dtype)
+    sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+    mean = sums / counts
+    single = counts == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    centred = values - mean[inverse]
+    if not scale:
+        return centred
+    sq = torch.zeros_like(sums).index_add_(0, inverse, (values - (sums / counts)[inverse]) ** 2)
+    denom = (counts - 1.0) if unbiased else counts
+    std = torch.sqrt(sq / denom.clamp(min=1.0))
+    std = torch.where(single, torch.ones_like(std), std)
+    return centred / (std[inverse] + eps)
+
+
+def grpo_advantages(
+    rewards: Tensor, group_ids: Tensor, eps: float = 1e-6, scale: bool = True, unbiased: bool = True
+) -> Tensor:
+    """GRPO outcome advantage (DeepSeekMath §4.1.2; Dr. GRPO when ``scale=False``).
+
+    Shapes: rewards [B] float (one scalar score per row), group_ids [B] int; returns [B].
+    Â_i = (R_i − mean_g R) / (std_g R + eps), the group g being all rows with the same id (the G
+    samples of one prompt). All rewards equal gives 0; a single-row group gives R/(1+eps).
+    """
+    _check_1d_float("rewards", rewards)
+    _check_ids("group_ids", group_ids, rewards.shape[0])
+    if eps < 0:
+        raise AlgorithmError(f"eps must be >= 0, got {eps}")
+    inverse, n_groups = group_index(group_ids)
+    return _normalise_in_groups(rewards, inverse, n_groups, eps, scale, unbiased)
+
+
+def agentwise_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    agent_ids: Tensor,
+    eps: float = 1e-6,
+    scale: bool = True,
+    unbiased: bool = True,
+) -> Tensor:
+    """Dr. MAS agent-wise advantage: normalise each agent by its own reward statistics in the group.
+
+    Shapes: rewards [B], group_ids [B] int, agent_ids [B] int; returns [B].
+    Each row is one agent turn; rows are grouped by (group id, agent id) (DrMAS
+    ``group_index = f"{uid}_{agent_id}"``), then normalised as in :func:`grpo_advantages`.
+    Turns of one trajectory by the same agent all enter its group and are counted as independent
+    samples (the paper's choice; they are correlated).
+    """
+    _check_1d_float("rewards", rewards)
+    _check_ids("group_ids", group_ids, rewards.shape[0])
+    _check_ids("agent_ids", agent_ids, rewards.shape[0])
+    inverse, n_groups = group_index(group_ids, agent_ids)
+    return _normalise_in_groups(rewards, inverse, n_groups, eps, scale, unbiased)
+
+
+def trajectory_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    traj_ids: Tensor,
+    eps: float = 1e-6,
+    scale: bool = True,
+    unbiased: bool = True,
+) -> Tensor:
+    """Global (not agent-wise) group advantage as DrMAS computes it with ``group_by_agent_id=False``.
+
+    Shapes: rewards [B], group_ids [B] int, traj_ids [B] int; returns [B].
+    The rows of each trajectory (all agents' turns) are first averaged to one value; those values are
+    normalised within the prompt group; every row of a trajectory gets its trajectory's advantage.
+    Raises if one trajectory id appears under two group ids.
+    """
+    _check_1d_float("rewards", rewards)
+    _check_ids("group_ids", group_ids, rewards.shape[0])
+    _check_ids("traj_ids", traj_ids, rewards.shape[0])
+    traj_inv, n_traj = group_index(group_ids, traj_ids)
+    counts = torch.bincount(traj_inv, minlength=n_traj).to(rewards.dtype)
+    traj_mean = torch.zeros(n_traj, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, traj_inv, rewards
+    )
+    traj_mean = traj_mean / counts
+    traj_group = torch.zeros(n_traj, dtype=torch.int64, device=rewards.device)
+    traj_group[traj_inv] = group_ids.to(torch.int64)
+    group_inv, n_groups = group_index(traj_group)
+    traj_adv = _normalise_in_groups(traj_mean, group_inv, n_groups, eps, scale, unbiased)
+    return traj_adv[traj_inv]
+
+
+def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Outcome advantage per row to every response token. Shapes: advantages [B], mask [B, L] -> [B, L]."""
+    if advantages.dim() != 1 or mask.dim() != 2 or mask.shape[0] != advantages.shape[0]:
+        raise AlgorithmError(
+            f"need advantages [B] and mask [B, L], got {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    return advantages[:, None] * mask.to(advantages.dtype)
+
+
+def masked_whiten(
+    values: Tensor, mask: Tensor, eps: float = 1e-8, unbiased: bool = True, shift_mean: bool = True
+) -> Tensor:
+    """Normalise ``values`` over the positions where ``mask`` is 1 (any shape, both the same).
+
+    Returns (x − mean)·rsqrt(var + eps) at masked positions and 0 elsewhere (verl ``masked_whiten``,
+    unbiased var by default). MARFT instead turns zeros into NaN and uses the population nanstd; an
+    explicit mask is used here because that trick also discards genuine zero advantages.
+    ``shift_mean=False`` keeps the mean (scale only).
+    """
+    _check_same_shape(values=values, mask=mask)
+    m = mask.to(values.dtype)
+    n = m.sum()
+    if n < 1:
+        raise AlgorithmError("masked_whiten: mask selects no element")
+    mean = (values * m).sum() / n
+    var = (((values - mean) ** 2) * m).sum()
+    var = var / (n - 1.0) if (unbiased and n > 1) else var / n
+    out = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+# --------------------------------------------------------------------------------------------------
+# critic-based estimators (ALGORITHMS.md §2, §5d, §7)
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    last_value: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over one response per row (GAE Eq. 16; verl masked loop).
+
+    Shapes: rewards, values, mask [B, L] (reward on the last valid token); last_value [B] or None
+    (V past the response, 0 by default). Returns (advantages [B, L], returns [B, L]), both 0 where
+    mask is 0. δ_t = r_t + γV_{t+1} − V_t, Â_t = δ_t + γλÂ_{t+1}, G_t = Â_t + V_t; positions with
+    m_t = 0 carry the next value and the running Â through unchanged.
+    """
+    _check_same_shape(rewards=rewards, values=values, mask=mask)
+    if rewards.dim() != 2:
+        raise AlgorithmError(f"gae expects [B, L] tensors, got {tuple(rewards.shape)}")
+    m = mask.to(values.dtype)
+    b, length = rewards.shape
+    next_value = (
+        torch.zeros(b, dtype=values.dtype, device=values.device) if last_value is None else last_value
+    )
+    running = torch.zeros_like(next_value)
+    adv = torch.zeros_like(values)
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        new_running = delta + gamma * lam * running
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        running = new_running * m[:, t] + (1 - m[:, t]) * running
+        adv[:, t] = running
+    adv = adv * m
+    return adv, (adv + values) * m
+
+
+def action_gae(
+    rewards: Tensor, values: Tensor, masks: Tensor, gamma: float = 0.99, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """MARFT action-level GAE over agents as macro-actions (ALGORITHMS.md §2, ``ActionBuffer``).
+
+    Shapes (time-major, agents in *execution* order):
+      rewards [T, B, N]; values [T+1, B, N] with values[T, :, 0] the bootstrap V¹_{T} (other entries
+      of row T unused); masks [T+1, B, N], masks[t] = 1 while step t is part of the episode (masks[0]
+      is 1; a step after termination is 0, so masks[t+1] = 0 stops the bootstrap).
+    Returns (advantages [T, B, N], returns [T, B, N]), zeroed on dead steps.
+      i < n: δⁱ_t = rⁱ_t + γ·V^{i+1}_t·m^{i+1}_t − Vⁱ_t,   Âⁱ_t = δⁱ_t + γλ·m^{i+1}_t·Â^{i+1}_t
+      i = n: δⁿ_t = rⁿ_t + γ·V¹_{t+1}·m¹_{t+1} − Vⁿ_t,     Âⁿ_t = δⁿ_t + γλ·m¹_{t+1}·Â¹_{t+1}
+    """
+    if rewards.dim() != 3:
+        raise AlgorithmError(f"rewards must be [T, B, N], got {tuple(rewards.shape)}")
+    t_len, b, n = rewards.shape
+    if tuple(values.shape) != (t_len + 1, b, n) or tuple(masks.shape) != (t_len + 1, b, n):
+        raise AlgorithmError(
+            f"values and masks must be [T+1, B, N] = {(t_len + 1, b, n)}, got {tuple(values.shape)}, {tuple(masks.shape)}"
+        )
+    m = masks.to(values.dtype)
+    adv = torch.zeros_like(rewards, dtype=values.dtype)
+    next_adv = torch.zeros(b, dtype=values.dtype, device=values.device)
+    for t in reversed(range(t_len)):
+        for i in reversed(range(n)):
+            if i < n - 1:
+                next_v, next_m = values[t, :, i + 1], m[t, :, i + 1]
+            else:
+                next_v, next_m = values[t + 1, :, 0], m[t + 1, :, 0]
+                if t == t_len - 1:
+                    next_adv = torch.zeros_like(next_adv)
+            delta = rewards[t, :, i] + gamma * next_v * next_m - values[t, :, i]
+            next_adv = delta + gamma * lam * next_m * next_adv
+            adv[t, :, i] = next_adv
+    alive = m[:t_len]
+    adv = adv * alive
+    return adv, (adv + values[:t_len]) * alive
+
+
+def token_gae(
+    rewards: Tensor,
+    values: Tensor,
+    token_mask: Tensor,
+    masks: Tensor,
+    next_value: Tensor,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+    token_gamma: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """MARFT token-level GAE (ALGORITHMS.md §2, ``TokenBuffer``).
+
+    Shapes: rewards [T, B, N] (reward of agent i's action at step t); values, token_mask [T, B, N, L]
+    (V_{t,i,j} = value of the state *before* token j; actions right-padded, valid length K = last
+    masked position + 1); masks [T+1, B, N] as in :func:`action_gae`; next_value [B] the bootstrap
+    V_{T,1,0} for the step after the batch. Returns (advantages, returns) [T, B, N, L], 0 on padding
+    and dead steps.
+      j < K−1:          δ = γ_tok·V_{t,i,j+1} − V_{t,i,j},        Â_j = δ + γ_tok·λ·Â_{j+1}
+      j = K−1, i < n:   δ = rⁱ_t + γ·m·V_{t,i+1,0} − V_{t,i,K−1},  Â_j = δ + γλ·m·Â_{t,i+1,0}
+      j = K−1, i = n:   the same with V_{t+1,1,0}·m_{t+1} (``next_value`` on the last step).
+    ``token_gamma`` defaults to ``gamma`` (MARFT); 1.0 makes the token MDP match the action MDP.
+    A live action with no valid token raises.
+    """
+    if values.dim() != 4:
+        raise AlgorithmError(f"values must be [T, B, N, L], got {tuple(values.shape)}")
+    _check_same_shape(values=values, token_mask=token_mask)
+    t_len, b, n, length = values.shape
+    if tuple(rewards.shape) != (t_len, b, n) or tuple(masks.shape) != (t_len + 1, b, n):
+        raise AlgorithmError(
+            f"need rewards [T, B, N] and masks [T+1, B, N] for values {tuple(values.shape)}, "
+            f"got {tuple(rewards.shape)}, {tuple(masks.shape)}"
+        )
+    if tuple(next_value.shape) != (b,):
+        raise AlgorithmError(f"next_value must be [B] = ({b},), got {tuple(next_value.shape)}")
+    g_tok = gamma if token_gamma is None else token_gamma
+    m = masks.to(values.dtype)
+    tm = token_mask.bool()
+    pos = torch.arange(length, device=values.device)
+    # K per action: last valid position + 1 (MARFT); 0 for an action with no valid token.
+    k_len = torch.where(tm, pos + 1, torch.zeros_like(pos)).amax(dim=-1)  # [T, B, N]
+    empty_live = (k_len == 0) & (m[:t_len] > 0)
+    if empty_live.any():
+        raise AlgorithmError(f"{int(empty_live.sum())} live actions have no valid token")
+
+    adv = torch.zeros_like(values)
+    # boundary carried from the following macro-action: its first-token value and first-token Â
+    nxt_v0 = next_value.to(values.dtype)
+    nxt_a0 = torch.zeros(b, dtype=values.dtype, device=values.device)
+    for t in reversed(range(t_len)):
+        for i in reversed(range(n)):
+            bm = m[t, :, i + 1] if i < n - 1 else m[t + 1, :, 0]
+            last = k_len[t, :, i] - 1  # [B]
+            run = torch.zeros(b, dtype=values.dtype, device=values.device)
+            for j in reversed(range(length)):
+                v_j = values[t, :, i, j]
+                v_next = values[t, :, i, j + 1] if j + 1 < length else torch.zeros_like(v_j)
+                is_last = last == j
+                inside = j < last
+                d_last = rewards[t, :, i] + gamma * bm * nxt_v0 - v_j
+                a_last = d_last + gamma * lam * bm * nxt_a0
+                a_inside = (g_tok * v_next - v_j) + g_tok * lam * run
+                run = torch.where(is_last, a_last, torch.where(inside, a_inside, torch.zeros_like(run)))
+                adv[t, :, i, j] = run
+            nxt_v0 = values[t, :, i, 0]
+            nxt_a0 = adv[t, :, i, 0]
+    valid = (pos < k_len[..., None]).to(values.dtype) * m[:t_len, ..., None]
+    adv = adv * valid
+    return adv, (adv + values) * valid
+
+
+def vtrace(
+    log_rhos: Tensor,
+    discounts: Tensor,
+    rewards: Tensor,
+    values: Tensor,
+    bootstrap_value: Tensor,
+    clip_rho: float = 1.0,
+    clip_pg_rho: float = 1.0,
+    clip_c: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """V-trace targets and policy-gradient advantages (IMPALA §4.1 Eq. 1, §4.2), no gradient.
+
+    Shapes (time-major): log_rhos = log π/μ, discounts (γ_t, 0 at episode ends), rewards, values
+    [T, B]; bootstrap_value [B]. Returns (vs [T, B], pg_advantages [T, B]), both detached.
+      δ_t = ρ̄_t (r_t + γ_t V_{t+1} − V_t),  v_t − V_t = δ_t + γ_t c_t (v_{t+1} − V_{t+1}),
+      A_t = min(ρ̄_pg, ρ_t)(r_t + γ_t v_{t+1} − V_t), with ρ̄_t = min(ρ̄, ρ_t), c_t = min(c̄, ρ_t).
+    """
+    _check_same_shape(log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values)
+    with torch.no_grad():
+        rhos = torch.exp(log_rhos)
+        rho_bar = rhos.clamp(max=clip_rho)
+        cs = rhos.clamp(max=clip_c)
+        values_next = torch.cat([values[1:], bootstrap_value[None]], dim=0)
+        deltas = rho_bar * (rewards + discounts * values_next - values)
+        acc = torch.zeros_like(bootstrap_value)
+        diffs = torch.zeros_like(values)
+        for t in reversed(range(values.shape[0])):
+            acc = deltas[t] + discounts[t] * cs[t] * acc
+            diffs[t] = acc
+        vs = diffs + values
+        vs_next = torch.cat([vs[1:], bootstrap_value[None]], dim=0)
+        pg_adv = rhos.clamp(max=clip_pg_rho) * (rewards + discounts * vs_next - values)
+    return vs, pg_adv

@@ -1,0 +1,208 @@
+"""``LearnerConfig``: every knob of a learner process, documented field by field.
+
+Design (STYLE.md habits 3 and 4): a pydantic model read from TOML (the ``[learner]`` section, or the
+whole file when it has none); validators only *check* that values agree and raise, they never copy a
+value from one field to another. :meth:`LearnerConfig.engine_kwargs` turns the config into plain
+keyword arguments for :class:`teamrl.learner.engine.LearnerEngine`, which never sees this class.
+
+Per-agent overrides are keyed by *adapter name*: agents that share an adapter share its parameters,
+so they necessarily share its optimiser settings too (the rollout workflow defines the
+agent -> (base model, adapter) mapping). A learner process serves exactly one base model
+(``base_model``); heterogeneous teams run one learner group per base model, each with its own
+``adapters`` list and ``--publish`` endpoint.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LearnerConfigError(ValueError):
+    """The learner config file or an override is wrong (the message names the field and value)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AgentOverrides(_Strict):
+    """Optimiser settings for one adapter; ``None`` means "use the learner-wide value"."""
+
+    lr: float | None = Field(None, gt=0, description="learning rate of this adapter's AdamW")
+    clip_low: float | None = Field(None, ge=0, description="PPO clip ε below 1 for this adapter")
+    clip_high: float | None = Field(None, ge=0, description="PPO clip ε above 1 (DAPO clip-higher)")
+
+
+class LoraSettings(_Strict):
+    """One LoRA adapter per adapter name, all with the same shape (PEFT ``LoraConfig``)."""
+
+    rank: int = Field(8, ge=1, le=256, description="LoRA rank r (MARFT uses 8)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout; 0 keeps steps deterministic")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="module names to adapt (Qwen2 attention projections by default)",
+    )
+
+
+class LearnerConfig(_Strict):
+    """The learner's configuration. Field order follows the order of a step."""
+
+    # --- what is trained ---------------------------------------------------------------------
+    base_model: str = Field(
+        "", description="model folder; empty = the embedded model (``--model`` overrides it)"
+    )
+    adapters: list[str] = Field(
+        default_factory=lambda: ["solver-lora", "verifier-lora"],
+        min_length=1,
+        description="adapter names this learner trains on the shared base (one LoRA each)",
+    )
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="model dtype (float32 on CPU)")
+
+    # --- data --------------------------------------------------------------------------------
+    batch_size: int = Field(16, ge=1, description="trajectories per rank per step (one sample request)")
+    micro_batch_rows: int = Field(
+        64, ge=1, description="agent steps per forward/backward; more rows are gradient-accumulated"
+    )
+    min_policy_version_lag: int = Field(
+        -1, ge=-1, description="refuse samples older than version - lag (-1: any age)"
+    )
+    temperature: float = Field(1.0, gt=0, description="sampling temperature the rollouts used (logits / T)")
+
+    # --- advantages and objective ------------------------------------------------------------
+    algorithm: Literal["grpo", "drmas", "dr_grpo"] = Field(
+        "drmas",
+        description="advantage: grpo = group-normalised (DeepSeekMath); drmas = per (group, agent) "
+        "normalisation (Dr. MAS); dr_grpo = group-centred, unscaled",
+    )
+    reward_source: Literal["step", "trajectory"] = Field(
+        "step", description="reward of a row: the agent step's own reward, or the team reward"
+    )
+    objective: Literal["decoupled", "ppo"] = Field(
+        "decoupled",
+        description="decoupled = AReaL decoupled PPO with the behaviour weight π_prox/μ (token TIS); "
+        "ppo = plain PPO-clip against the recomputed π_old (ignores μ)",
+    )
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="cap C on the token weight π_prox/μ (None: uncapped)"
+    )
+    tis_mode: Literal["clamp", "mask"] = Field(
+        "clamp", description="clamp = truncated IS (verl/slime); mask = drop tokens over the cap (AReaL)"
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO clip ε below 1")
+    clip_high: float | None = Field(None, ge=0, description="PPO clip ε above 1 (None: = clip_low)")
+    kl_coef: float = Field(0.0, ge=0, description="β of the KL-to-reference loss term (0: off, no ref pass)")
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = Field("k3", description="KL estimator (Schulman 2020)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="how token losses are reduced (verl agg_loss)"
+    )
+    logprob_tolerance: float | None = Field(
+        0.05,
+        gt=0,
+        description="max mean |recomputed - behaviour| log-prob on fresh rows (version == current); "
+        "exceeding it raises (misaligned positions collapse training). None: only report the gap",
+    )
+
+    # --- update ------------------------------------------------------------------------------
+    update_order: Literal["sequential", "simultaneous"] = Field(
+        "sequential", description="sequential = agent by agent with the HAPPO factor; simultaneous = MAPPO"
+    )
+    order: Literal["random", "fixed"] = Field(
+        "random", description="sequential order: a seeded random permutation per step, or ``adapters`` order"
+    )
+    epochs: int = Field(1, ge=1, description="optimiser passes per adapter per step")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="global grad-norm clip per adapter")
+    agents: dict[str, AgentOverrides] = Field(
+        default_factory=dict, description="per-adapter overrides, keyed by adapter name"
+    )
+    zero_stage: Literal[0, 1, 2] = Field(
+        2,
+        description="DeepSpeed ZeRO stage for the adapter optimisers (3 is refused: the base is frozen "
+        "and shared, so only adapter states would be sharded and stage 3 needs the module's forward)",
+    )
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    max_steps: int = Field(1000, ge=1, description="stop after this many steps (0-based step < max_steps)")
+    publish_interval: int = Field(1, ge=1, description="publish adapters every k steps")
+    checkpoint_interval: int = Field(10, ge=1, description="checkpoint every k steps")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
+    inline_max_bytes: int = Field(
+        8 * 1024 * 1024, ge=0, description="adapter payloads up to this size travel inline over ZeroMQ"
+    )
+    chunk_bytes: int = Field(1024 * 1024, ge=1024, description="inline chunk size")
+    seed: int = Field(0, description="seeds torch/numpy/python RNGs and the update order")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LearnerConfig:
+        if len(set(self.adapters)) != len(self.adapters):
+            raise ValueError(f"adapters has duplicates: {self.adapters}")
+        if any(not a for a in self.adapters):
+            raise ValueError(
+                "adapter names must be non-empty ('' means the base model, which is not trained)"
+            )
+        unknown = sorted(set(self.agents) - set(self.adapters))
+        if unknown:
+            raise ValueError(f"agents overrides name unknown adapters {unknown}; known: {self.adapters}")
+        if self.tis_mode == "mask" and self.tis_cap is None:
+            raise ValueError("tis_mode='mask' needs a tis_cap")
+        return self
+
+    def adapter_settings(self, adapter: str) -> dict[str, float]:
+        """Resolved lr / clip_low / clip_high of one adapter (override, else learner-wide)."""
+        o = self.agents.get(adapter, AgentOverrides())
+        clip_low = o.clip_low if o.clip_low is not None else self.clip_low
+        high = o.clip_high if o.clip_high is not None else self.clip_high
+        return {
+            "lr": o.lr if o.lr is not None else self.lr,
+            "clip_low": clip_low,
+            "clip_high": high if high is not None else clip_low,
+        }
+
+
+def load_learner_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:
+    """Read ``path`` (TOML; its ``[learner]`` table if present) plus ``key=value`` overrides.
+
+    Override values are TOML literals (``lr=3e-4``, ``adapters=["a","b"]``); dotted keys reach nested
+    tables (``lora.rank=16``). Raises :class:`LearnerConfigError` naming each bad field.
+    """
+    from pydantic import ValidationError
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise LearnerConfigError(f"learner config {str(p)!r} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise LearnerConfigError(f"learner config {str(p)!r} is not valid TOML: {e}") from None
+        data = raw.get("learner", raw)
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise LearnerConfigError(f"override {item!r}: expected KEY=VALUE, e.g. lr=3e-4")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = parsed
+    try:
+        return LearnerConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"invalid learner config: {e.error_count()} problem(s)"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+            lines.append(f"  - {loc}: got {err.get('input')!r:.80}; expected: {err['msg']}")
+        raise LearnerConfigError("\n".join(lines)) from None

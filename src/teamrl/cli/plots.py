@@ -1,0 +1,90 @@
+"""PNG plots of a run folder's metrics JSONL: reward against steps and wall time; per-agent grad norm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill: the rest of the file is still good
+    return rows
+
+
+def _series(rows: list[dict], key: str, x: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        if key in r and x in r and r[key] is not None:
+            xs.append(float(r[x]))
+            ys.append(float(r[key]))
+    return xs, ys
+
+
+def smooth(ys: list[float], k: int = 10) -> list[float]:
+    out, acc = [], []
+    for y in ys:
+        acc.append(y)
+        if len(acc) > k:
+            acc.pop(0)
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write reward_steps.png, reward_time.png and grad_norm.png into ``run_dir/plots``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for x, xlabel, name in (
+        ("step", "learner step", "reward_steps.png"),
+        ("time", "wall time (s)", "reward_time.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+        xs, ys = _series(rows, "reward_mean", x)
+        if xs:
+            ax.plot(xs, ys, alpha=0.25, color="tab:blue")
+            ax.plot(xs, smooth(ys), color="tab:blue", label="train reward (batch mean, smoothed)")
+        ex, ey = _series(evals, "reward_mean", x)
+        if ex:
+            ax.plot(ex, ey, "o-", color="tab:red", label="held-out reward")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        written.append(out_dir / name)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    agents = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("grad_norm/")})
+    for a in agents:
+        xs, ys = _series(rows, f"grad_norm/{a}", "step")
+        ax.plot(xs, ys, label=a)
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("grad norm")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if agents:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "grad_norm.png")
+    plt.close(fig)
+    written.append(out_dir / "grad_norm.png")
+    return written
