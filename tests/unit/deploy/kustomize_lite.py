@@ -121,14 +121,16 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
                 out[k] = copy.deepcopy(v)
         return out
     if isinstance(base, list) and isinstance(patch, list) and MERGE_KEYS.get(field):
+        # kustomize (kyaml) puts the patch's items first, in the patch's order, merged with their
+        # base counterpart, then the base items the patch does not name; matching that order keeps
+        # the comparison with `kubectl kustomize` exact (env order matters for $(VAR) references).
         key = MERGE_KEYS[field]
-        out = [copy.deepcopy(x) for x in base]
+        named = {item.get(key) for item in patch if isinstance(item, dict)}
+        out = []
         for item in patch:
-            match = [i for i, x in enumerate(out) if isinstance(x, dict) and x.get(key) == item.get(key)]
-            if match:
-                out[match[0]] = strategic_merge(out[match[0]], item, field)
-            else:
-                out.append(copy.deepcopy(item))
+            match = [x for x in base if isinstance(x, dict) and x.get(key) == item.get(key)]
+            out.append(strategic_merge(match[0], item, field) if match else copy.deepcopy(item))
+        out += [copy.deepcopy(x) for x in base if not (isinstance(x, dict) and x.get(key) in named)]
         return out
     return copy.deepcopy(patch)
 
