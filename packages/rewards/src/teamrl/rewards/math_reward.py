@@ -472,8 +472,9 @@ class SympyWorker:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
+            poller = select.poll()  # not select(): a big parent process may hold fds above 1024
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if not poller.poll(max(1, int(left * 1000))):
                 return None
             chunk = os.read(fd, 65536)
             if not chunk or len(self._buf) > 1 << 20:

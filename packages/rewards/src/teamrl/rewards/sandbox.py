@@ -1,0 +1,383 @@
+"""Run untrusted Python (a model's candidate program) plus unit tests in a limited subprocess.
+
+What it does, per run:
+
+* a fresh temporary working folder (also ``HOME`` and ``TMPDIR``), deleted afterwards;
+* ``sys.executable -I -S`` (isolated: no user site, no ``PYTHON*`` variables, no current folder on
+  ``sys.path``; ``-S``: stdlib only, unless ``site_packages=True``) with a clean environment, so
+  the parent's secrets in environment variables are not handed to candidate code, and proxies
+  pointed at a closed local port;
+* its own session (``start_new_session``), so the whole process group is ``SIGKILL``-ed when the
+  wall-clock ``timeout_s`` passes, when output passes ``output_bytes``, and in any case at the end
+  (stragglers included); parent death kills it too (``PR_SET_PDEATHSIG``);
+* rlimits set by the child on itself before any candidate code runs (no ``preexec_fn``, which is
+  unsafe in a threaded parent such as a vLLM rollout): ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory),
+  ``RLIMIT_FSIZE`` (``SIGXFSZ`` ignored, so an oversized write raises ``EFBIG``), ``RLIMIT_NPROC``,
+  ``RLIMIT_CORE`` = 0;
+* inside the child, before the candidate runs: ``socket.socket`` (and ``_socket.socket``,
+  ``create_connection``, ``socketpair``, ``getaddrinfo``...) replaced by versions that raise
+  ``SandboxBlocked``, and likewise ``os.fork``/``exec*``/``spawn*``/``system``/``kill``/``setsid``
+  and ``_posixsubprocess.fork_exec``;
+* stdout/stderr read through ``poll`` and capped at ``output_bytes`` each.
+
+**This is not a security boundary against a determined attacker.** The candidate runs in the same
+interpreter as the harness and can undo the monkeypatches (``ctypes``, the original classes in
+``__mro__``), read world-readable files, and, when the parent is root, ``RLIMIT_NPROC`` is not
+enforced at all (the kernel exempts root). Per-file size is capped but not the number of files.
+It stops accidents and casual reward hacking; for adversarial code use a container, gVisor or
+nsjail around this.
+
+How the result is reported: the harness writes JSON lines, each carrying a random per-run nonce,
+to a private pipe (not stdout). The candidate is executed first; then each test step, and a
+``done`` line at the very end. So ``sys.exit(0)``, ``os._exit(0)``, a crash or a kill before the
+tests finish can never read as a pass: only reported test lines count, and the exit status is
+ignored. The nonce lives in a local of the harness function and the job file holding it is deleted
+before the candidate starts, so a printed or forged line does not count (forgeries are counted in
+``foreign_lines``).
+
+Call sequence::
+
+    out = run_python(code, [Step("test", "assert f(1) == 2")], Limits(timeout_s=2))
+    out.events          # [{"event": "started"}, {"event": "candidate_ok"}, {"event": "step", ...}, ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from teamrl.rewards.errors import SandboxUnavailable
+
+# The program the child runs (``python -I -S -c HARNESS job.json``). Everything is inside one
+# function so the nonce and the report function are locals, not globals of ``__main__``.
+HARNESS = r"""
+def _harness():
+    import json, os, sys
+    job_path = sys.argv[1]
+    with open(job_path) as f:
+        job = json.load(f)
+    os.unlink(job_path)
+    nonce, fd, lim = job["nonce"], job["report_fd"], job["limits"]
+
+    def report(event, **kv):
+        kv["event"] = event
+        kv["nonce"] = nonce
+        os.write(fd, (json.dumps(kv) + "\n").encode())
+
+    def finish():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(0)
+
+    import resource, signal
+    def setlimit(kind, soft, hard=None):
+        try:
+            resource.setrlimit(kind, (soft, soft if hard is None else hard))
+        except (ValueError, OSError):
+            pass
+    setlimit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)
+    setlimit(resource.RLIMIT_AS, lim["memory_bytes"])
+    setlimit(resource.RLIMIT_FSIZE, lim["file_size_bytes"])
+    setlimit(resource.RLIMIT_NPROC, lim["nproc"])
+    setlimit(resource.RLIMIT_CORE, 0)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:
+        pass
+    if os.getppid() != job["parent_pid"]:
+        os._exit(1)
+
+    class SandboxBlocked(PermissionError):
+        pass
+
+    def deny(what):
+        def blocked(*args, **kwargs):
+            raise SandboxBlocked(what + " is disabled in the sandbox")
+        return blocked
+
+    import socket, _socket
+    class BlockedSocket(socket.socket):
+        def __init__(self, *args, **kwargs):
+            raise SandboxBlocked("network is disabled in the sandbox")
+    class BlockedRawSocket(_socket.socket):
+        def __init__(self, *args, **kwargs):
+            raise SandboxBlocked("network is disabled in the sandbox")
+    socket.socket, socket.SocketType = BlockedSocket, BlockedSocket
+    _socket.socket, _socket.SocketType = BlockedRawSocket, BlockedRawSocket
+    for mod in (socket, _socket):
+        for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo",
+                     "gethostbyname", "gethostbyname_ex", "gethostbyaddr", "dup"):
+            if hasattr(mod, name):
+                setattr(mod, name, deny("network"))
+    import _posixsubprocess, posix
+    for name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execvp", "execvpe", "execl",
+                 "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl",
+                 "spawnle", "spawnlp", "spawnlpe", "posix_spawn", "posix_spawnp", "setsid", "setpgid",
+                 "setpgrp", "kill", "killpg"):
+        for mod in (os, posix):
+            if hasattr(mod, name):
+                setattr(mod, name, deny("process control (os." + name + ")"))
+    _posixsubprocess.fork_exec = deny("process creation")
+
+    def describe(exc):
+        return {"etype": type(exc).__name__, "msg": str(exc)[:300], "errno": getattr(exc, "errno", None),
+                "blocked": isinstance(exc, SandboxBlocked)}
+
+    report("started", uid=os.getuid())
+    ns = {"__name__": "candidate", "__builtins__": __builtins__}
+    try:
+        exec(compile(job["code"], "candidate.py", "exec"), ns)
+    except SystemExit as exc:
+        report("candidate_exit", code=str(exc.code)[:100])
+        finish()
+    except BaseException as exc:
+        report("candidate_error", **describe(exc))
+        finish()
+    report("candidate_ok")
+    for i, step in enumerate(job["steps"]):
+        try:
+            exec(compile(step["source"], "test_%d.py" % i, "exec"), ns)
+        except BaseException as exc:
+            report("step", index=i, kind=step["kind"], passed=False, **describe(exc))
+            if step["kind"] != "test":
+                break
+            continue
+        report("step", index=i, kind=step["kind"], passed=True)
+    report("done")
+    finish()
+
+_harness()
+"""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit run after the candidate, in the candidate's namespace.
+
+    ``test`` steps are counted (a failure moves on to the next one); a failing ``setup`` or
+    ``entry`` step (``candidate = entry_point``) stops the run.
+    """
+
+    kind: Literal["setup", "entry", "test"]
+    source: str
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run limits. ``cpu_s`` defaults to ``ceil(timeout_s) + 1`` (a backstop for the wall clock)."""
+
+    timeout_s: float = 5.0
+    memory_mb: int = 512
+    file_size_mb: int = 16
+    nproc: int = 1  # counts every process/thread of the user: 1 means "create none" (unless root)
+    output_bytes: int = 64_000
+    cpu_s: int | None = None
+    site_packages: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"sandbox timeout_s must be > 0, got {self.timeout_s}")
+        if self.memory_mb < 32:
+            raise ValueError(
+                f"sandbox memory_mb must be >= 32 (the interpreter needs it), got {self.memory_mb}"
+            )
+        if self.output_bytes < 1 or self.file_size_mb < 0 or self.nproc < 0:
+            raise ValueError(f"sandbox limits must be non-negative: {self}")
+
+
+@dataclass
+class SandboxOutcome:
+    """What happened. ``events`` holds only the harness's own (nonce-checked) report lines."""
+
+    returncode: int | None
+    timed_out: bool
+    output_limited: bool
+    wall_s: float
+    stdout: str
+    stderr: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    foreign_lines: int = 0
+    pid: int = 0
+    workdir: str = ""
+
+    def find(self, event: str) -> dict[str, Any] | None:
+        return next((e for e in self.events if e["event"] == event), None)
+
+
+_ENV_BASE = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "no_proxy": "",
+    "NO_PROXY": "",
+}
+_DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
+_REPORT_CAP = 1 << 20
+_ORPHAN_GRACE_S = 0.2  # after the child exits, how long orphans may keep our pipes open
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether ``pid`` has exited, without reaping it (so its pid, our group id, stays reserved)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _collect(
+    proc: subprocess.Popen, report_fd: int, limits: Limits, start: float
+) -> tuple[dict[str, bytes], bool, bool]:
+    """Read stdout, stderr and the report pipe until EOF, the deadline, or an output cap."""
+    assert proc.stdout is not None and proc.stderr is not None
+    names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", report_fd: "report"}
+    caps = {"stdout": limits.output_bytes, "stderr": limits.output_bytes, "report": _REPORT_CAP}
+    bufs = {name: bytearray() for name in caps}
+    poller = select.poll()
+    for fd in names:
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    open_fds = set(names)
+    deadline = start + limits.timeout_s
+    timed_out = limited = False
+    exited_at: float | None = None
+    while open_fds:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        if exited_at is None and _has_exited(proc.pid):
+            exited_at = now
+        if exited_at is not None and now - exited_at > _ORPHAN_GRACE_S:
+            break
+        for fd, _ in poller.poll(max(1, int(min(0.05, deadline - now) * 1000))):
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+                poller.unregister(fd)
+                continue
+            name = names[fd]
+            room = caps[name] - len(bufs[name])
+            bufs[name] += chunk[:room]
+            if len(chunk) > room:
+                limited = True
+        if limited:
+            break
+    return {k: bytes(v) for k, v in bufs.items()}, timed_out, limited
+
+
+def _kill_and_reap(proc: subprocess.Popen) -> int | None:
+    # The leader is not reaped yet, so its pid (the group id) cannot have been reused.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # unkillable (D state): leave it, report no status
+        return None
+
+
+def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> SandboxOutcome:
+    """Run ``code`` then ``steps`` in a sandboxed interpreter; never raises for anything the code does.
+
+    Raises ``SandboxUnavailable`` only if the interpreter cannot be started at all.
+    """
+    limits = limits or Limits()
+    workdir = tempfile.mkdtemp(prefix="teamrl-sandbox-")
+    read_fd, write_fd = os.pipe()
+    os.set_inheritable(write_fd, True)
+    try:
+        job = {
+            "nonce": secrets.token_hex(16),
+            "report_fd": write_fd,
+            "parent_pid": os.getpid(),
+            "code": code,
+            "steps": [{"kind": s.kind, "source": s.source} for s in steps],
+            "limits": {
+                "cpu_s": limits.cpu_s or math.ceil(limits.timeout_s) + 1,
+                "memory_bytes": limits.memory_mb << 20,
+                "file_size_bytes": limits.file_size_mb << 20,
+                "nproc": limits.nproc,
+            },
+        }
+        job_path = os.path.join(workdir, "job.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = dict(_ENV_BASE, HOME=workdir, TMPDIR=workdir)
+        for var in ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy"):
+            env[var] = env[var.upper()] = _DEAD_PROXY
+        flags = ["-I"] if limits.site_packages else ["-I", "-S"]
+        cmd = [sys.executable, *flags, "-c", HARNESS, job_path]
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+            )
+        except OSError as exc:
+            raise SandboxUnavailable(f"cannot start {sys.executable}: {exc}") from exc
+        finally:
+            os.close(write_fd)
+        try:
+            bufs, timed_out, limited = _collect(proc, read_fd, limits, start)
+        finally:
+            returncode = _kill_and_reap(proc)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        wall_s = time.monotonic() - start
+    finally:
+        os.close(read_fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+    events, foreign = _parse_report(bufs["report"], job["nonce"])
+    return SandboxOutcome(
+        returncode=returncode,
+        timed_out=timed_out,
+        output_limited=limited,
+        wall_s=wall_s,
+        stdout=bufs["stdout"].decode("utf-8", "replace"),
+        stderr=bufs["stderr"].decode("utf-8", "replace"),
+        events=events,
+        foreign_lines=foreign,
+        pid=proc.pid,
+        workdir=workdir,
+    )
+
+
+def _parse_report(raw: bytes, nonce: str) -> tuple[list[dict[str, Any]], int]:
+    events: list[dict[str, Any]] = []
+    foreign = 0
+    for line in raw.split(b"\n"):
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            foreign += 1
+            continue
+        if not isinstance(obj, dict) or obj.pop("nonce", None) != nonce or "event" not in obj:
+            foreign += 1
+            continue
+        events.append(obj)
+    return events, foreign
