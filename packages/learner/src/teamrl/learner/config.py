@@ -139,6 +139,21 @@ class LearnerConfig(_Strict):
     )
     chunk_bytes: int = Field(1024 * 1024, ge=1024, description="inline chunk size")
     seed: int = Field(0, description="seeds torch/numpy/python RNGs and the update order")
+    publish_mode: Literal["uri", "inline"] = Field(
+        "uri",
+        description="uri = announce the folder <run-dir>/adapters/v<version> (shared storage); inline = "
+        "carry the adapter payload in the announcement when it is <= inline_max_bytes (else uri, counted)",
+    )
+    probe_prompt: list[int] = Field(
+        default_factory=lambda: [1, 16, 2, 3, 12, 4, 5, 13],
+        min_length=1,
+        description="token ids of the fixed probe prompt (embedded tokenizer: '<bos>S01+23=')",
+    )
+    probe_completion: list[int] = Field(
+        default_factory=lambda: [2, 4, 6, 14],
+        min_length=1,
+        description="token ids of the fixed probe completion ('024;'); its log-probs are announced",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:
@@ -154,6 +169,38 @@ class LearnerConfig(_Strict):
         if self.tis_mode == "mask" and self.tis_cap is None:
             raise ValueError("tis_mode='mask' needs a tis_cap")
         return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Plain keyword arguments for :class:`teamrl.learner.engine.LearnerEngine` (minus model/device)."""
+        from teamrl.learner.engine import AdapterSettings
+
+        return {
+            "adapters": list(self.adapters),
+            "adapter_settings": {a: AdapterSettings(**self.adapter_settings(a)) for a in self.adapters},
+            "lora_rank": self.lora.rank,
+            "lora_alpha": self.lora.alpha,
+            "lora_dropout": self.lora.dropout,
+            "target_modules": list(self.lora.target_modules),
+            "dtype": self.dtype,
+            "zero_stage": self.zero_stage,
+            "weight_decay": self.weight_decay,
+            "grad_clip": self.grad_clip,
+            "micro_batch_rows": self.micro_batch_rows,
+            "temperature": self.temperature,
+            "algorithm": self.algorithm,
+            "reward_source": self.reward_source,
+            "objective": self.objective,
+            "tis_cap": self.tis_cap,
+            "tis_mode": self.tis_mode,
+            "kl_coef": self.kl_coef,
+            "kl_estimator": self.kl_estimator,
+            "loss_agg": self.loss_agg,
+            "logprob_tolerance": self.logprob_tolerance,
+            "update_order": self.update_order,
+            "order": self.order,
+            "epochs": self.epochs,
+            "seed": self.seed,
+        }
 
     def adapter_settings(self, adapter: str) -> dict[str, float]:
         """Resolved lr / clip_low / clip_high of one adapter (override, else learner-wide)."""

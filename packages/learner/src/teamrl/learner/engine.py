@@ -1,0 +1,789 @@
+"""The DeepSpeed learner engine: one shared frozen base, one PEFT LoRA per adapter name.
+
+Call sequence::
+
+    init_distributed(device)                 # torch.distributed from RANK/WORLD_SIZE env, or world 1
+    eng = LearnerEngine(model_dir, adapters, **plain_kwargs)
+    res = eng.train_step(trajectories, step, current_version, fresh_version)   # -> StepResult
+    eng.export_adapters(folder)              # PEFT save_pretrained, one subfolder per adapter
+    eng.save_checkpoint(folder) / eng.load_checkpoint(folder)
+
+Design decisions:
+
+* **One DeepSpeed engine per adapter, all over the same PEFT module.** Each engine's optimiser owns only
+  its adapter's LoRA parameters (so per-adapter lr / clip come for free). The alternative, one engine with
+  a param group per adapter, steps every group on every ``step()``: in a sequential (HAPPO) update the
+  adapters not being trained have zero gradients, and AdamW still moves them by its decayed first moment.
+  Separate engines make "only agent k moves now" structurally true. Heterogeneous base models are not
+  mixed in one engine: a learner process serves one base model, and a team with several bases runs one
+  learner group per base (each its own ``teamrl learner`` processes, adapters list and publish endpoint).
+* **Log-probs are recomputed on right-padded rows with explicit position ids 0..L-1** and the logits of
+  the response positions only (``P-1+j`` predicts response token ``j``). A left-padded recompute with
+  misaligned positions was measured to collapse training (LEARNING-NOTES.md), so the gap between the
+  behaviour log-probs and the recomputation on *fresh* rows (sampled with exactly the current weights) is
+  a metric, and a gap over ``logprob_tolerance`` raises :class:`LogprobMismatch`.
+* **Advantages** per row (one agent step): GRPO (DeepSeekMath §4.1.2), Dr. GRPO (unscaled) or Dr. MAS
+  agent-wise normalisation per (group, agent) (Dr. MAS eq. 7), broadcast to the response tokens.
+* **Objective**: AReaL decoupled PPO (π_θ/π_prox inside the clip, token weight π_prox/μ capped at
+  ``tis_cap`` outside it = token TIS), or plain PPO-clip against π_prox; plus β·KL(π_θ‖π_ref) with π_ref the
+  base with adapters disabled (``disable_adapter()``). π_prox is the adapter before this step's update.
+* **Update**: :func:`teamrl.learner.update.sequential_update`. A joint row of the HAPPO factor is one
+  *trajectory*: agent k's action log-prob on it is the sum over its steps in that episode (0 where it did
+  not act), and agent m's rows are weighted by the factor of their trajectory. ``simultaneous`` is
+  independent PPO (factor 1). In simultaneous mode with one epoch π_prox equals the detached log-probs of
+  the training forward itself, so no extra forward pass is spent on it.
+* **Data parallel**: each rank trains on its own sample; DeepSpeed averages the gradients. Every rank
+  must issue the same collectives, so the number of micro-batches per adapter is agreed with an
+  all-reduce(max) and a rank with fewer rows runs zero-weight dummy micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from teamrl.learner.advantages import agentwise_advantages, grpo_advantages
+from teamrl.learner.losses import agg_loss, decoupled_ppo_loss, kl_penalty, ppo_clip_loss
+from teamrl.learner.update import random_order, sequential_update
+from teamrl.protocol.trajectory import GraphTrajectory
+
+__all__ = [
+    "LearnerError",
+    "LogprobMismatch",
+    "AdapterSettings",
+    "RowBatch",
+    "StepResult",
+    "build_rows",
+    "row_advantages",
+    "init_distributed",
+    "LearnerEngine",
+]
+
+
+class LearnerError(RuntimeError):
+    """The learner cannot continue (bad data, bad checkpoint, inconsistent ranks)."""
+
+
+class LogprobMismatch(LearnerError):
+    """Recomputed log-probs disagree with the behaviour log-probs on fresh rows (positions/padding bug)."""
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """Optimiser settings of one adapter (resolved from the config's per-agent overrides)."""
+
+    lr: float
+    clip_low: float
+    clip_high: float
+
+
+# --------------------------------------------------------------------------------------------------
+# rows: trajectories -> right-padded tensors
+
+
+@dataclass
+class RowBatch:
+    """One agent step per row, right-padded. N rows, L = max prompt+response, R = max response.
+
+    input_ids [N, L] int64 (pad 0), attention_mask [N, L], prompt_lens / resp_lens [N],
+    response_ids [N, R], behav_logp [N, R] float32 (0 on padding), resp_mask [N, R] bool,
+    rewards [N], group_idx / agent_idx / traj_idx [N] int64, versions [N] int64, adapter_of_row [N] str.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    prompt_lens: Tensor
+    resp_lens: Tensor
+    response_ids: Tensor
+    behav_logp: Tensor
+    resp_mask: Tensor
+    rewards: Tensor
+    group_idx: Tensor
+    agent_idx: Tensor
+    traj_idx: Tensor
+    versions: Tensor
+    adapter_of_row: list[str]
+    agent_of_row: list[str]
+    n_traj: int
+    team_rewards: list[float] = field(default_factory=list)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def rows_of(self, adapter: str) -> Tensor:
+        return torch.tensor([i for i, a in enumerate(self.adapter_of_row) if a == adapter], dtype=torch.long)
+
+
+def build_rows(
+    trajectories: Sequence[GraphTrajectory],
+    adapters: Sequence[str],
+    reward_source: Literal["step", "trajectory"] = "step",
+    pad_id: int = 0,
+) -> tuple[RowBatch, dict[str, int]]:
+    """Flatten trajectories into a :class:`RowBatch`; returns it and ``{reason: rows ignored}``.
+
+    Rows are ignored (and counted) when their adapter is not trained here (``foreign_adapter``) or
+    their response is empty (``empty_response``). Raises :class:`LearnerError` when a step's log-probs
+    do not match its response length, or when nothing is left.
+    """
+    wanted = set(adapters)
+    ignored = {"foreign_adapter": 0, "empty_response": 0}
+    groups: dict[str, int] = {}
+    agents: dict[str, int] = {}
+    seqs: list[np.ndarray] = []
+    rows: list[dict[str, Any]] = []
+    team: list[float] = []
+    for ti, traj in enumerate(trajectories):
+        g = groups.setdefault(traj.group_id, len(groups))
+        team.append(float(traj.reward))
+        for s in traj.steps:
+            if s.adapter not in wanted:
+                ignored["foreign_adapter"] += 1
+                continue
+            if len(s.response_ids) == 0:
+                ignored["empty_response"] += 1
+                continue
+            if len(s.logprobs) != len(s.response_ids):
+                raise LearnerError(
+                    f"episode {traj.episode_id}: step of {s.agent_id!r} has {len(s.logprobs)} log-probs "
+                    f"for {len(s.response_ids)} response tokens"
+                )
+            seqs.append(np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
+            rows.append(
+                {
+                    "p": len(s.prompt_ids),
+                    "r": len(s.response_ids),
+                    "resp": np.asarray(s.response_ids, np.int64),
+                    "lp": np.asarray(s.logprobs, np.float32),
+                    "reward": float(s.reward) if reward_source == "step" else float(traj.reward),
+                    "g": g,
+                    "a": agents.setdefault(s.agent_id, len(agents)),
+                    "t": ti,
+                    "v": int(s.policy_version),
+                    "adapter": s.adapter,
+                    "agent": s.agent_id,
+                }
+            )
+    if not rows:
+        raise LearnerError(f"no trainable rows in {len(trajectories)} trajectories (ignored: {ignored})")
+    n, big_l, big_r = len(rows), max(len(x) for x in seqs), max(r["r"] for r in rows)
+    input_ids = torch.full((n, big_l), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, big_l), dtype=torch.long)
+    resp = torch.zeros((n, big_r), dtype=torch.long)
+    behav = torch.zeros((n, big_r), dtype=torch.float32)
+    mask = torch.zeros((n, big_r), dtype=torch.bool)
+    for i, (seq, r) in enumerate(zip(seqs, rows, strict=True)):
+        input_ids[i, : len(seq)] = torch.from_numpy(seq)
+        attn[i, : len(seq)] = 1
+        resp[i, : r["r"]] = torch.from_numpy(r["resp"])
+        behav[i, : r["r"]] = torch.from_numpy(r["lp"])
+        mask[i, : r["r"]] = True
+
+    def col(key: str, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([r[key] for r in rows], dtype=dtype)
+
+    batch = RowBatch(
+        input_ids=input_ids,
+        attention_mask=attn,
+        prompt_lens=col("p", torch.long),
+        resp_lens=col("r", torch.long),
+        response_ids=resp,
+        behav_logp=behav,
+        resp_mask=mask,
+        rewards=col("reward", torch.float32),
+        group_idx=col("g", torch.long),
+        agent_idx=col("a", torch.long),
+        traj_idx=col("t", torch.long),
+        versions=col("v", torch.long),
+        adapter_of_row=[r["adapter"] for r in rows],
+        agent_of_row=[r["agent"] for r in rows],
+        n_traj=len(trajectories),
+        team_rewards=team,
+    )
+    return batch, ignored
+
+
+def row_advantages(batch: RowBatch, algorithm: Literal["grpo", "drmas", "dr_grpo"]) -> Tensor:
+    """Outcome advantage of every row [N] (see the module docstring for the three choices)."""
+    if algorithm == "drmas":
+        return agentwise_advantages(batch.rewards, batch.group_idx, batch.agent_idx)
+    return grpo_advantages(batch.rewards, batch.group_idx, scale=algorithm == "grpo")
+
+
+# --------------------------------------------------------------------------------------------------
+# distributed set-up
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """Initialise torch.distributed through DeepSpeed; returns (rank, world_size).
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK (what ``teamrl run``, ``torchrun``
+    and the ``deepspeed`` launcher set). Without them this is a world of one on a free local port.
+    gloo on CPU, nccl on CUDA.
+    """
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_max(values: list[int]) -> list[int]:
+    import torch.distributed as dist
+
+    if _world()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine
+
+_STAT_KEYS = (
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "kl",
+    "ratio_mean",
+    "ratio_max",
+    "is_weight_mean",
+    "is_weight_max",
+)
+
+
+@dataclass
+class StepResult:
+    """What one train step did: flat metrics (``loss/<adapter>``, ...), rows ignored, the order used."""
+
+    metrics: dict[str, float]
+    ignored: dict[str, int]
+    order: list[str]
+    losses: dict[str, float]
+
+
+class LearnerEngine:
+    """Shared base + one LoRA per adapter name, one DeepSpeed engine per adapter (module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        adapters: Sequence[str],
+        *,
+        adapter_settings: Mapping[str, AdapterSettings],
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        device: str = "cpu",
+        zero_stage: int = 2,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        micro_batch_rows: int = 64,
+        temperature: float = 1.0,
+        algorithm: Literal["grpo", "drmas", "dr_grpo"] = "drmas",
+        reward_source: Literal["step", "trajectory"] = "step",
+        objective: Literal["decoupled", "ppo"] = "decoupled",
+        tis_cap: float | None = 2.0,
+        tis_mode: Literal["clamp", "mask"] = "clamp",
+        kl_coef: float = 0.0,
+        kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3",
+        loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean",
+        logprob_tolerance: float | None = 0.05,
+        update_order: Literal["sequential", "simultaneous"] = "sequential",
+        order: Literal["random", "fixed"] = "random",
+        epochs: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if device == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        missing = sorted(set(adapters) - set(adapter_settings))
+        if missing:
+            raise LearnerError(f"no optimiser settings for adapters {missing}")
+        self.adapters = list(adapters)
+        self.settings = dict(adapter_settings)
+        self.device = torch.device(device if device == "cpu" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+        self.micro_batch_rows = micro_batch_rows
+        self.temperature = temperature
+        self.algorithm = algorithm
+        self.reward_source = reward_source
+        self.objective = objective
+        self.tis_cap = tis_cap
+        self.tis_mode = tis_mode
+        self.kl_coef = kl_coef
+        self.kl_estimator = kl_estimator
+        self.loss_agg = loss_agg
+        self.logprob_tolerance = logprob_tolerance
+        self.update_order = update_order
+        self.order = order
+        self.epochs = epochs
+        self.seed = seed
+        self.model_dir = str(model_dir)
+
+        torch.manual_seed(seed)  # LoRA A init: the same on every rank and every fresh start
+        torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype)
+        base.to(self.device)
+        lora = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=list(target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base, lora, adapter_name=self.adapters[0])
+        for name in self.adapters[1:]:
+            self.model.add_adapter(name, lora)
+        self.model.to(self.device)
+        self.params = {name: self._adapter_params(name) for name in self.adapters}
+        self.engines: dict[str, Any] = {}
+        for name in self.adapters:
+            self._trainable(name)
+            opt = torch.optim.AdamW(
+                self.params[name], lr=self.settings[name].lr, weight_decay=weight_decay, betas=(0.9, 0.999)
+            )
+            ds_config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": grad_clip,
+                "zero_optimization": {"stage": zero_stage},
+                "zero_allow_untested_optimizer": True,
+                "bf16": {"enabled": dtype == "bfloat16"},
+                "steps_per_print": 2**31 - 1,
+                "wall_clock_breakdown": False,
+            }
+            eng, _, _, _ = deepspeed.initialize(
+                model=self.model, optimizer=opt, config=ds_config, dist_init_required=False
+            )
+            self.engines[name] = eng
+        self._trainable(None)
+
+    # --- parameters ---------------------------------------------------------------------------
+
+    def _adapter_params(self, name: str) -> list[torch.nn.Parameter]:
+        tag = f".{name}."
+        params = [p for n, p in self.model.named_parameters() if "lora_" in n and tag in n]
+        if not params:
+            raise LearnerError(f"adapter {name!r} has no LoRA parameters (target modules not found?)")
+        return params
+
+    def _trainable(self, name: str | None) -> None:
+        """Only adapter ``name``'s LoRA params require grad (None: nothing does)."""
+        for n, ps in self.params.items():
+            for p in ps:
+                p.requires_grad_(n == name)
+
+    def adapter_state(self, name: str) -> dict[str, Tensor]:
+        """Copies of one adapter's parameters (for tests and parity checks)."""
+        tag = f".{name}."
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if "lora_" in n and tag in n}
+
+    # --- forward passes -----------------------------------------------------------------------
+
+    def _token_logp(self, batch: RowBatch, idx: Tensor, adapter: str | None, grad: bool) -> Tensor:
+        """Response-token log-probs [n, R] of rows ``idx`` under ``adapter`` (None: the base model).
+
+        Right-padded rows with position ids 0..L-1; only the response positions' logits are used.
+        """
+        big_l = int((batch.prompt_lens[idx] + batch.resp_lens[idx]).max())
+        ids = batch.input_ids[idx, :big_l].to(self.device)
+        attn = batch.attention_mask[idx, :big_l].to(self.device)
+        pos = torch.arange(big_l, device=self.device).expand(len(idx), -1)
+        resp = batch.response_ids[idx].to(self.device)
+        big_r = resp.shape[1]
+        gather = (batch.prompt_lens[idx, None] - 1 + torch.arange(big_r)[None, :]).clamp(max=big_l - 1)
+        gather = gather.to(self.device)
+        ctx: contextlib.AbstractContextManager[Any]
+        if adapter is None:
+            ctx = self.model.disable_adapter()
+        else:
+            self.model.set_adapter(adapter)
+            self._trainable(adapter if grad else None)
+            ctx = contextlib.nullcontext()
+        call = self.engines[adapter] if (grad and adapter is not None) else self.model
+        with ctx, torch.set_grad_enabled(grad):
+            logits = call(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+            vocab = logits.shape[-1]
+            sel = logits.gather(1, gather[..., None].expand(-1, -1, vocab)).float() / self.temperature
+            logp = torch.log_softmax(sel, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
+        return logp.cpu() if self.device.type != "cpu" else logp
+
+    def _chunks(self, idx: Tensor) -> list[Tensor]:
+        return [idx[i : i + self.micro_batch_rows] for i in range(0, len(idx), self.micro_batch_rows)]
+
+    def token_logprobs(self, batch: RowBatch, idx: Tensor, adapter: str | None) -> Tensor:
+        """No-grad response-token log-probs [n, R] (0 on padding), in micro-batches."""
+        self.model.eval()
+        parts = [self._token_logp(batch, c, adapter, grad=False) for c in self._chunks(idx)]
+        out = torch.cat(parts) if parts else torch.zeros((0, batch.response_ids.shape[1]))
+        return out * batch.resp_mask[idx]
+
+    @torch.no_grad()
+    def sample(
+        self,
+        adapter: str | None,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_id: int,
+        generator: torch.Generator,
+    ) -> list[tuple[list[int], list[float]]]:
+        """Sample completions (temperature ``self.temperature``) and their log-probs, for self-tests.
+
+        Prompts of one call must share a length (the addition task's do). Each completion stops after
+        ``eos_id`` (included) or ``max_new_tokens``.
+        """
+        if len({len(p) for p in prompts}) != 1:
+            raise LearnerError("sample() needs prompts of one length")
+        self.model.eval()
+        ctx = self.model.disable_adapter() if adapter is None else contextlib.nullcontext()
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+        ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
+        done = [False] * len(prompts)
+        with ctx:
+            for _ in range(max_new_tokens):
+                logits = (
+                    self.model(input_ids=ids.to(self.device), use_cache=False).logits[:, -1].float().cpu()
+                )
+                logp = torch.log_softmax(logits / self.temperature, dim=-1)
+                tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+                for i, t in enumerate(tok.tolist()):
+                    if not done[i]:
+                        out[i][0].append(t)
+                        out[i][1].append(float(logp[i, t]))
+                        done[i] = t == eos_id
+                if all(done):
+                    break
+                ids = torch.cat([ids, tok[:, None]], dim=1)
+        return out
+
+    @torch.no_grad()
+    def completion_logprobs(
+        self, adapter: str | None, prompt: Sequence[int], completion: Sequence[int]
+    ) -> list[float]:
+        """log p(completion[i] | prompt, completion[:i]) at temperature 1, float32 (the publish probe)."""
+        self.model.eval()
+        ctx = self.model.disable_adapter() if adapter is None else contextlib.nullcontext()
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+        ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long, device=self.device)
+        with ctx:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+        logp = torch.log_softmax(logits, dim=-1)
+        p = len(prompt)
+        return [float(logp[p - 1 + j, t]) for j, t in enumerate(completion)]
+
+    # --- the update ---------------------------------------------------------------------------
+
+    def _order(self, step: int) -> list[int]:
+        if self.order == "fixed":
+            return list(range(len(self.adapters)))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return random_order(len(self.adapters), g)
+
+    def train_step(
+        self,
+        trajectories: Sequence[GraphTrajectory],
+        step: int,
+        current_version: int,
+        fresh_version: int | None = None,
+    ) -> StepResult:
+        """One update over a sample: advantages, objective, agent-by-agent (or simultaneous) steps.
+
+        ``current_version``: the latest published version (for staleness). ``fresh_version``: rows of
+        this version were sampled with exactly the weights the learner holds now (None: none are), and
+        are the ones the behaviour/recompute log-prob check runs on.
+        """
+        t0 = time.perf_counter()
+        batch, ignored = build_rows(trajectories, self.adapters, self.reward_source)
+        adv = row_advantages(batch, self.algorithm)
+        rows = {a: batch.rows_of(a) for a in self.adapters}
+        counts = _all_reduce_max([math.ceil(len(rows[a]) / self.micro_batch_rows) for a in self.adapters])
+        # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
+        n_micro = dict(zip(self.adapters, counts, strict=True))
+        prox: dict[str, Tensor] = {}
+        ref: dict[str, Tensor] = {}
+        stats: dict[str, dict[str, float]] = {}
+        m: dict[str, float] = {}
+
+        def traj_sum(adapter: str, token_logp: Tensor) -> Tensor:
+            out = torch.zeros(batch.n_traj, dtype=torch.float32)
+            idx = rows[adapter]
+            if len(idx):
+                out.index_add_(0, batch.traj_idx[idx], (token_logp * batch.resp_mask[idx]).sum(-1))
+            return out
+
+        def logprob_fn(adapter: str) -> Tensor:
+            cur = self.token_logprobs(batch, rows[adapter], adapter)
+            prox.setdefault(adapter, cur)
+            return traj_sum(adapter, cur)
+
+        def step_fn(adapter: str, factor: Tensor) -> Mapping[str, float]:
+            if n_micro[adapter] == 0:
+                return dict.fromkeys(_STAT_KEYS, math.nan) | {
+                    "tokens": 0.0,
+                    "rejected_tokens": 0.0,
+                    "lr": self.settings[adapter].lr,
+                }
+            return self._optimiser_step(
+                batch, rows[adapter], adapter, adv, factor, prox, ref, n_micro[adapter]
+            )
+
+        if self.kl_coef > 0:
+            for a in self.adapters:
+                ref[a] = self.token_logprobs(batch, rows[a], None)
+        order = self._order(step)
+        result = sequential_update(
+            self.adapters,
+            order,
+            logprob_fn,
+            step_fn,
+            epochs=self.epochs,
+            mode=self.update_order,
+            n_rows=batch.n_traj,
+        )
+        self._trainable(None)
+        for rec in result.records:
+            last = dict(rec.step_stats[-1])
+            stats[rec.agent] = last
+            for k, v in last.items():
+                m[f"{k}/{rec.agent}"] = v
+            m[f"factor_mean/{rec.agent}"] = rec.factor_mean
+        # behaviour vs recomputed log-probs on fresh rows (π_prox = the weights that sampled them)
+        gap_sum, gap_n = 0.0, 0
+        for a in self.adapters:
+            idx = rows[a]
+            if fresh_version is None or len(idx) == 0 or a not in prox:
+                continue
+            fresh = batch.versions[idx] == fresh_version
+            mask = batch.resp_mask[idx] & fresh[:, None]
+            diff = (prox[a] - batch.behav_logp[idx]).abs()
+            gap_sum += float(diff[mask].sum())
+            gap_n += int(mask.sum())
+        gap = gap_sum / gap_n if gap_n else math.nan
+        m["logprob_gap"] = gap
+        m["logprob_gap_tokens"] = float(gap_n)
+        if self.logprob_tolerance is not None and gap_n and gap > self.logprob_tolerance:
+            raise LogprobMismatch(
+                f"step {step}: mean |recomputed - behaviour| log-prob on {gap_n} fresh tokens is "
+                f"{gap:.4f} > tolerance {self.logprob_tolerance} (padding / position ids / temperature "
+                "differ between sampler and learner?)"
+            )
+        elapsed = time.perf_counter() - t0
+        tokens = int((batch.prompt_lens + batch.resp_lens).sum())
+        for agent in sorted(set(batch.agent_of_row)):
+            sel = torch.tensor([x == agent for x in batch.agent_of_row])
+            m[f"reward_mean/{agent}"] = float(batch.rewards[sel].mean())
+            m[f"advantage_mean/{agent}"] = float(adv[sel].mean())
+            m[f"advantage_std/{agent}"] = float(adv[sel].std(unbiased=False))
+        m["reward_mean"] = float(np.mean(batch.team_rewards)) if batch.team_rewards else math.nan
+        m["staleness_mean"] = float((current_version - batch.versions).float().mean())
+        m["tokens"] = float(tokens)
+        m["rows"] = float(batch.n_rows)
+        m["step_time_s"] = elapsed
+        m["tokens_per_s"] = tokens / elapsed if elapsed > 0 else math.nan
+        return StepResult(
+            metrics=m,
+            ignored=ignored,
+            order=[self.adapters[i] for i in order],
+            losses={a: s["loss"] for a, s in stats.items()},
+        )
+
+    def _optimiser_step(
+        self,
+        batch: RowBatch,
+        idx: Tensor,
+        adapter: str,
+        adv: Tensor,
+        factor: Tensor,
+        prox: dict[str, Tensor],
+        ref: dict[str, Tensor],
+        n_micro: int,
+    ) -> dict[str, float]:
+        """One optimiser step of ``adapter`` over its rows (gradient-accumulated micro-batches)."""
+        eng = self.engines[adapter]
+        s = self.settings[adapter]
+        self.model.train()
+        chunks = self._chunks(idx)
+        mask_all = batch.resp_mask[idx]
+        total_tokens = float(mask_all.sum())
+        total_seqs = float((mask_all.sum(-1) > 0).sum())
+        acc = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "rejected": 0.0}
+        ratio_sum, ratio_max, w_sum, w_max = 0.0, 0.0, 0.0, 0.0
+        use_cached = adapter in prox
+        new_prox: list[Tensor] = []
+        offset = 0
+        for j in range(n_micro):
+            eng.set_gradient_accumulation_boundary(j == n_micro - 1)
+            if j >= len(chunks):  # dummy micro-batch: same collectives as the other ranks, zero gradient
+                dummy = batch.input_ids.new_zeros((1, 2))
+                self.model.set_adapter(adapter)
+                self._trainable(adapter)
+                out = eng(input_ids=dummy, use_cache=False).logits
+                eng.backward(out.sum() * 0.0)
+                continue
+            c = chunks[j]
+            mask = batch.resp_mask[c]
+            logp = self._token_logp(batch, c, adapter, grad=True)
+            if use_cached:
+                p = prox[adapter][offset : offset + len(c)]
+            else:
+                p = logp.detach() * mask
+                new_prox.append(p)
+            offset += len(c)
+            a_tok = (adv[c] * factor[batch.traj_idx[c]])[:, None].expand_as(logp) * mask
+            behav = batch.behav_logp[c]
+            if self.objective == "decoupled":
+                terms = decoupled_ppo_loss(
+                    logp,
+                    p,
+                    behav,
+                    a_tok,
+                    mask,
+                    s.clip_low,
+                    s.clip_high,
+                    cap=self.tis_cap,
+                    cap_mode=self.tis_mode,
+                )
+            else:
+                terms = ppo_clip_loss(logp, p, a_tok, mask, s.clip_low, s.clip_high)
+            loss = agg_loss(terms.loss, mask, self.loss_agg)
+            if self.kl_coef > 0:
+                kl_tok = kl_penalty(logp, ref[adapter][offset - len(c) : offset], self.kl_estimator)
+                kl = agg_loss(kl_tok * mask, mask, self.loss_agg)
+                loss = loss + self.kl_coef * kl
+                acc["kl"] += float(kl.detach()) * float(mask.sum())
+            share = (
+                float(mask.sum()) / total_tokens
+                if self.loss_agg == "token-mean"
+                else float((mask.sum(-1) > 0).sum()) / total_seqs
+            )
+            eng.backward(loss * share)
+            ntok = float(mask.sum())
+            acc["loss"] += float(loss.detach()) * share
+            acc["clipped"] += float(terms.clipped.sum())
+            acc["rejected"] += float(terms.rejected.sum())
+            acc["tokens"] += ntok
+            r = terms.ratio[mask]
+            ratio_sum += float(r.sum())
+            ratio_max = max(ratio_max, float(r.max()))
+            behav_w = torch.exp((p - behav).clamp(-20, 20))[mask]  # π_prox/μ before the cap
+            w_sum += float(behav_w.sum())
+            w_max = max(w_max, float(behav_w.max()))
+        eng.step()
+        if new_prox:
+            prox[adapter] = torch.cat(new_prox)
+        self._trainable(None)
+        gn = eng.get_global_grad_norm()
+        ntok = max(acc["tokens"], 1.0)
+        return {
+            "loss": acc["loss"],
+            "grad_norm": float(gn) if gn is not None else math.nan,
+            "clip_frac": acc["clipped"] / ntok,
+            "kl": acc["kl"] / ntok,
+            "ratio_mean": ratio_sum / ntok,
+            "ratio_max": ratio_max,
+            "is_weight_mean": w_sum / ntok,
+            "is_weight_max": w_max,
+            "rejected_tokens": acc["rejected"],
+            "tokens": acc["tokens"],
+            "lr": s.lr,
+        }
+
+    # --- export and checkpoint ----------------------------------------------------------------
+
+    def export_adapters(self, folder: str | Path) -> dict[str, Path]:
+        """Write every adapter in PEFT format (``folder/<name>/adapter_config.json`` + safetensors)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        out: dict[str, Path] = {}
+        for name in self.adapters:
+            # PEFT writes a non-"default" adapter into a subfolder named after it
+            self.model.save_pretrained(str(folder), selected_adapters=[name], safe_serialization=True)
+            out[name] = folder / name
+            if not (out[name] / "adapter_model.safetensors").is_file():
+                raise LearnerError(f"PEFT did not write {out[name]}/adapter_model.safetensors")
+        return out
+
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """Every rank: each adapter engine's DeepSpeed checkpoint (adapter params + ZeRO optimiser
+        partitions; the frozen base is excluded) and this rank's RNG states."""
+        folder = Path(folder)
+        rank, _ = _world()
+        for name, eng in self.engines.items():
+            self._trainable(name)  # exclude_frozen_parameters keeps only this adapter's weights
+            eng.save_checkpoint(
+                str(folder / "ds"), tag=name, save_latest=False, exclude_frozen_parameters=True
+            )
+        self._trainable(None)
+        torch.save(
+            {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            folder / f"rng_rank{rank}.pt",
+        )
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Every rank: restore what :meth:`save_checkpoint` wrote (raises LearnerError if incomplete)."""
+        folder = Path(folder)
+        rank, _ = _world()
+        for name, eng in self.engines.items():
+            self._trainable(name)
+            path, _ = eng.load_checkpoint(str(folder / "ds"), tag=name, load_module_strict=False)
+            if path is None:
+                raise LearnerError(f"checkpoint {folder} has no DeepSpeed state for adapter {name!r}")
+        self._trainable(None)
+        rng_file = folder / f"rng_rank{rank}.pt"
+        if not rng_file.is_file():
+            raise LearnerError(f"checkpoint {folder} lacks {rng_file.name}")
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+
+
+def iter_adapter_params(engine: LearnerEngine) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of every LoRA parameter of every adapter."""
+    for n, p in engine.model.named_parameters():
+        if "lora_" in n:
+            yield n, p

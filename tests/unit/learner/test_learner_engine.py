@@ -1,0 +1,86 @@
+"""The DeepSpeed learner engine on the embedded model (world of one, CPU accelerator).
+
+Trajectories are sampled by the learner itself (``LearnerEngine.sample``), so the behaviour
+log-probs are exactly the current policy's: the recompute check must agree, a step must move the
+adapters that had rows, and the export must be a loadable PEFT folder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+CHARS = list("0123456789+=;?SVR")
+
+
+def enc(text: str) -> list[int]:
+    return [1] + [2 + CHARS.index(c) for c in text]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from teamrl.learner.engine import AdapterSettings, LearnerEngine, init_distributed
+    from teamrl.learner.modelbuild import build
+
+    init_distributed("cpu")
+    s = AdapterSettings(lr=1e-3, clip_low=0.2, clip_high=0.2)
+    names = ["solver-lora", "verifier-lora"]
+    return LearnerEngine(build(), names, adapter_settings={n: s for n in names}, logprob_tolerance=0.05)
+
+
+def _trajectories(engine, n_tasks: int = 4, group: int = 4):
+    from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
+    from teamrl.rewards import addition
+
+    tasks, _ = addition.split_tasks(0)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for ti, task in enumerate(tasks[:n_tasks]):
+        prompts = [enc(addition.solver_prompt(task))] * group
+        for k, (ids, lps) in enumerate(engine.sample("solver-lora", prompts, 5, 14, gen)):
+            text = "".join(CHARS[i - 2] for i in ids if i >= 2)
+            step = AgentStep(
+                agent_id="solver",
+                role="solver",
+                model_id="m",
+                adapter="solver-lora",
+                policy_version=0,
+                turn=0,
+                parents=np.zeros(0, np.int32),
+                prompt_ids=np.asarray(prompts[0], np.int32),
+                response_ids=np.asarray(ids, np.int32),
+                logprobs=np.asarray(lps, np.float32),
+                reward=addition.solver_reward(task, text) + 0.1 * k,  # distinct rewards: non-zero advantages
+            )
+            out.append(
+                GraphTrajectory(f"e{ti}-{k}", "inc", ti * group + k, task["id"], f"g{ti}", "w", [step])
+            )
+    return out
+
+
+def test_train_step_moves_only_the_adapter_with_rows_and_exports(engine, tmp_path) -> None:
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters() if "lora_B" in n}
+    res = engine.train_step(_trajectories(engine), step=0, current_version=0, fresh_version=0)
+    assert np.isfinite(res.metrics["loss/solver-lora"])
+    moved = {n for n, p in engine.model.named_parameters() if "lora_B" in n and not torch.equal(p, before[n])}
+    assert moved and all(".solver-lora." in n for n in moved)  # the verifier had no rows: untouched
+    folders = engine.export_adapters(tmp_path)
+    for name, folder in folders.items():
+        assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+        assert name in str(folder)
+    lp = engine.completion_logprobs("solver-lora", enc("S01+23="), [2, 4, 6, 14])
+    base = engine.completion_logprobs(None, enc("S01+23="), [2, 4, 6, 14])
+    assert len(lp) == 4 and max(abs(a - b) for a, b in zip(lp, base, strict=True)) > 0
+
+
+def test_trajectory_without_trainable_rows_is_a_typed_error(engine) -> None:
+    from teamrl.learner.engine import LearnerError
+
+    trajs = _trajectories(engine, 1, 2)
+    for t in trajs:
+        t.steps[0].adapter = "someone-else"
+    with pytest.raises(LearnerError, match="no trainable rows"):
+        engine.train_step(trajs, step=1, current_version=0)
