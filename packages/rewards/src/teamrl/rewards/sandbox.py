@@ -17,7 +17,7 @@ What it does, per run:
 * inside the child, before the candidate runs: ``socket.socket`` (and ``_socket.socket``,
   ``create_connection``, ``socketpair``, ``getaddrinfo``...) replaced by versions that raise
   ``SandboxBlocked``, and likewise ``os.fork``/``exec*``/``spawn*``/``system``/``kill``/``setsid``
-  and ``_posixsubprocess.fork_exec``;
+  (in both ``os`` and ``posix``) and ``_posixsubprocess.fork_exec``;
 * stdout/stderr read through ``poll`` and capped at ``output_bytes`` each.
 
 **This is not a security boundary against a determined attacker.** The candidate runs in the same
