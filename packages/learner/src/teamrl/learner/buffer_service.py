@@ -1,0 +1,345 @@
+"""The replay buffer process: trajectories in over ZeroMQ (acked), samples out over RPC, metrics,
+a stats file, and the ``teamrl buffer`` command line.
+
+One single-threaded loop, top to bottom (ZeroMQ sockets are single-threaded anyway)::
+
+    while running:
+        frames in     recv while the rate limiter admits inserts; decode; insert; append to the
+                      current segment (durable); the frame now waits for its ack
+        requests      SampleRequest -> SampleReply | ErrorReply; BufferStatsRequest -> BufferStats;
+                      Drain / Shutdown -> BufferStats, then stop
+        groups        release the ones past group_timeout_s
+        checkpoint    when frames wait (checkpoint_interval_s or checkpoint_max_frames) or the
+                      state changed; then ack exactly the frames it covers
+        stats         one JSON line in DIR/stats.jsonl every STATS_INTERVAL_S
+
+Why acks wait for a checkpoint: the (incarnation, seq) table that de-duplicates resends lives in
+the checkpoint, so a frame acked before it would come back after a crash as new data. A frame that
+fails to decode is refused at once (negative ack, counted by reason); the loop goes on.
+
+SIGTERM / SIGINT / Drain / Shutdown: final checkpoint, ack, flush, exit 0. SIGKILL: the restarted
+process loads the last complete checkpoint, restores the receiver's de-duplication table, and
+producers resend whatever was not acked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from teamrl.learner.buffer import Refused, ReplayBuffer, SegmentStore
+from teamrl.learner.buffer_config import BufferConfig
+from teamrl.protocol.codec import decode_trajectories, encode_trajectories
+from teamrl.protocol.control import (
+    BufferStats,
+    BufferStatsRequest,
+    Drain,
+    ErrorReply,
+    SampleReply,
+    SampleRequest,
+    Shutdown,
+    _Message,
+)
+from teamrl.protocol.errors import ProtocolError
+from teamrl.protocol.transport import Frame
+from teamrl.protocol.zmq_transport import RpcServer, ZmqDataReceiver
+
+log = logging.getLogger("teamrl.buffer")
+
+STATS_INTERVAL_S = 2.0
+POLL_MS = 10  # longest a quiet socket is waited on per loop turn (two sockets: ~20 ms per idle turn)
+MAX_FRAMES_PER_TURN = 64  # frames taken in before requests get a turn
+MAX_REQUESTS_PER_TURN = 16
+ACK_FLUSH_S = 0.2  # on exit, time for the last acks to leave (sockets close with LINGER 0)
+
+
+class ConfigError(ValueError):
+    """The buffer's config file or flags are wrong; the message names the field."""
+
+
+class BufferService:
+    """The process around a ``ReplayBuffer``. ``BufferService(cfg).run()`` returns the exit code."""
+
+    def __init__(self, cfg: BufferConfig) -> None:
+        self.cfg = cfg
+        cfg.dir.mkdir(parents=True, exist_ok=True)
+        (cfg.dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
+        self.store = SegmentStore(cfg.dir, fsync=cfg.fsync, keep_checkpoints=cfg.keep_checkpoints)
+        self.buffer = ReplayBuffer(**cfg.buffer_kwargs())
+        now = time.monotonic()
+        state, trajectories = self.store.load()
+        if state is not None:
+            self.buffer.load_state_dict(state, trajectories, now)
+        self.receiver = ZmqDataReceiver(cfg.bind, hwm=cfg.recv_hwm, max_msg_size=cfg.max_msg_size)
+        for incarnation, seqs in self.buffer.seen().items():
+            self.receiver.restore(incarnation, seqs)
+        self.rpc = RpcServer(cfg.sample_bind, self.handle, max_msg_size=cfg.max_msg_size)
+        self.waiting: list[Frame] = []  # persisted, not yet covered by a checkpoint (so not acked)
+        self.first_wait = 0.0
+        self.dirty = False  # state changed since the last checkpoint
+        self.stop_reason: str | None = None
+        self.last_checkpoint = now
+        self.last_stats = 0.0
+        self._dups_seen = 0
+        log.info(
+            "buffer up: data %s, sample %s, dir %s; %d held, %d pending groups, %d inserted so far",
+            self.receiver.endpoint,
+            self.rpc.endpoint,
+            cfg.dir,
+            self.buffer.size,
+            self.buffer.pending_groups,
+            self.buffer.inserted,
+        )
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def handle(self, msg: _Message) -> _Message:
+        if isinstance(msg, SampleRequest):
+            return self._sample(msg)
+        if isinstance(msg, BufferStatsRequest):
+            return self.stats()
+        if isinstance(msg, (Drain, Shutdown)):
+            log.info("%s requested (%s): stopping", msg.type, msg.reason or "no reason given")
+            self.stop_reason = msg.type
+            return self.stats()
+        return ErrorReply(reason="unexpected_request", message=f"the buffer does not serve {msg.type!r}")
+
+    def _sample(self, req: SampleRequest) -> _Message:
+        out = self.buffer.sample(
+            req.batch_size, rank=req.rank, agent_id=req.agent_id, min_policy_version=req.min_policy_version
+        )
+        self.dirty = True  # evictions and version hints change state even when refused
+        if isinstance(out, Refused):
+            return ErrorReply(request_id=req.request_id, reason=out.reason, message=out.message)
+        return SampleReply(
+            request_id=req.request_id,
+            trajectories=encode_trajectories(out.trajectories),
+            count=len(out.trajectories),
+            weights=out.weights,
+        )
+
+    def stats(self) -> BufferStats:
+        lo, hi = self.buffer.policy_version_range()
+        return BufferStats(
+            size=self.buffer.size,
+            per_agent=self.buffer.per_agent(),
+            inserted=self.buffer.inserted,
+            sampled=self.buffer.sampled,
+            rejected=sum(self.buffer.rejected.values()),
+            evicted=sum(self.buffer.evicted.values()),
+            min_policy_version=lo,
+            max_policy_version=hi,
+        )
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def _take_frame(self, frame: Frame, now: float) -> None:
+        try:
+            trajectories = decode_trajectories(frame.payload)
+        except ProtocolError as e:  # foreign bytes: refuse for good, count, go on
+            log.warning("refused frame %s/%d: %s: %s", frame.incarnation, frame.seq, e.reason, e)
+            self.buffer.count_rejected(e.reason)
+            self.receiver.reject(frame, e.reason)
+            return
+        res = self.buffer.insert(trajectories, source=(frame.incarnation, frame.seq), now=now)
+        if res.stale:
+            log.info("frame %s/%d: %d stale trajectories dropped", frame.incarnation, frame.seq, res.stale)
+        self.store.append(res.accepted)
+        if not self.waiting:
+            self.first_wait = now
+        self.waiting.append(frame)
+        self.dirty = True
+
+    def checkpoint(self, now: float) -> None:
+        self.store.checkpoint(self.buffer.state_dict(now), self.buffer.keys())
+        if self.waiting:
+            self.receiver.ack(*self.waiting)
+            self.waiting = []
+        self.dirty = False
+        self.last_checkpoint = now
+
+    def write_stats(self) -> None:
+        line = {
+            "time": time.time(),
+            "size": self.buffer.size,
+            "inserted": self.buffer.inserted,
+            "sampled": self.buffer.sampled,
+            "rejected": dict(self.buffer.rejected),
+            "evicted": sum(self.buffer.evicted.values()),
+            "groups_pending": self.buffer.pending_groups,
+            "max_policy_version": self.buffer.policy_version_range()[1],
+        }
+        with open(self.cfg.dir / "stats.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: Any) -> None:
+            log.info("%s received: stopping", signal.Signals(signum).name)
+            self.stop_reason = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            while self.stop_reason is None:
+                self.turn()
+        finally:
+            self.close()
+        return 0
+
+    def turn(self) -> None:
+        """One pass over every duty of the loop."""
+        cfg = self.cfg
+        got = 0
+        while got < MAX_FRAMES_PER_TURN and self.buffer.can_insert():
+            frame = self.receiver.recv(0 if got else POLL_MS)
+            if frame is None:
+                break
+            self._take_frame(frame, time.monotonic())
+            got += 1
+        self.buffer.count_duplicates(self.receiver.duplicates - self._dups_seen)
+        self._dups_seen = self.receiver.duplicates
+
+        served = 0
+        while served < MAX_REQUESTS_PER_TURN and self.stop_reason is None:
+            if not self.rpc.serve_once(0 if (got or served) else POLL_MS):
+                break
+            served += 1
+
+        now = time.monotonic()
+        if self.buffer.expire_groups(now):
+            self.dirty = True
+        frames_due = self.waiting and (
+            len(self.waiting) >= cfg.checkpoint_max_frames
+            or now - self.first_wait >= cfg.checkpoint_interval_s
+        )
+        state_due = self.dirty and now - self.last_checkpoint >= cfg.checkpoint_interval_s
+        if frames_due or state_due:
+            self.checkpoint(now)
+        if now - self.last_stats >= STATS_INTERVAL_S:
+            self.write_stats()
+            self.last_stats = now
+
+    def close(self) -> None:
+        self.checkpoint(time.monotonic())
+        self.write_stats()
+        time.sleep(ACK_FLUSH_S)
+        self.receiver.close()
+        self.rpc.close()
+        self.store.close()
+        log.info(
+            "buffer stopped (%s): %d held, %d inserted, %d sampled",
+            self.stop_reason,
+            self.buffer.size,
+            self.buffer.inserted,
+            self.buffer.sampled,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="teamrl buffer",
+        description="Run the replay buffer service: rollouts send trajectories to --bind (acked once "
+        "durable), learner ranks sample from --sample-bind. State lives in --dir and survives kill -9.",
+        epilog="Every other knob is a field of the [buffer] table (teamrl.learner.buffer_config.BufferConfig); "
+        "flags override the file.",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="TOML file whose [buffer] table configures the buffer (none: defaults)",
+    )
+    p.add_argument(
+        "--bind", metavar="ENDPOINT", help="data endpoint to bind, e.g. tcp://0.0.0.0:5555 (buffer.bind)"
+    )
+    p.add_argument(
+        "--sample-bind",
+        metavar="ENDPOINT",
+        help="sample RPC endpoint to bind, e.g. tcp://0.0.0.0:5556 (buffer.sample_bind)",
+    )
+    p.add_argument(
+        "--dir", metavar="DIR", help="folder for segments, checkpoints and stats.jsonl (buffer.dir)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        metavar="N",
+        type=int,
+        help="Prometheus /metrics port, 0 = off (buffer.metrics_port)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid buffer config ({source}): {err.error_count()} problem(s)"]
+    for e in err.errors():
+        loc = ".".join(["buffer", *(str(p) for p in e["loc"])])
+        shown = repr(e.get("input"))
+        lines.append(
+            f"  - {loc}: got {shown[:77] + '...' if len(shown) > 80 else shown}; expected: {e['msg']}"
+        )
+    return "\n".join(lines)
+
+
+def load_config(args: argparse.Namespace) -> BufferConfig:
+    """The ``[buffer]`` table of ``--config`` (absent: defaults), then the flags; ConfigError if bad."""
+    table: dict[str, Any] = {}
+    source = "defaults"
+    if args.config is not None:
+        path = Path(args.config)
+        source = f"{path} [buffer]"
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {str(path)!r} is not readable TOML: {e}") from None
+        table = raw.get("buffer", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: buffer must be a table ([buffer]), got {type(table).__name__}")
+    flags = {
+        "bind": args.bind,
+        "sample_bind": args.sample_bind,
+        "dir": args.dir,
+        "metrics_port": args.metrics_port,
+    }
+    data = {**table, **{k: v for k, v in flags.items() if v is not None}}
+    try:
+        return BufferConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(
+            _format_errors(e, source + (" + flags" if any(v is not None for v in flags.values()) else ""))
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args)
+    except ConfigError as e:
+        print(f"teamrl buffer: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if cfg.metrics_port > 0:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
+    return BufferService(cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
