@@ -28,8 +28,18 @@ def code() -> CodeReward:
     return CodeReward(timeout_s=TIMEOUT_S, memory_mb=256)
 
 
-def _group_gone(pgid: int) -> bool:
-    """No live (non-zombie) process in the group; zombies stay when PID 1 does not reap."""
+def _group_gone(pgid: int, wait_s: float = 3.0) -> bool:
+    """No live (non-zombie) process in the group within ``wait_s`` (SIGKILL is delivered
+    asynchronously); zombies stay when PID 1 does not reap."""
+    deadline = time.monotonic() + wait_s
+    while _live_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _live_members(pgid: int) -> bool:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -39,8 +49,8 @@ def _group_gone(pgid: int) -> bool:
         except OSError:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return False
-    return True
+            return True
+    return False
 
 
 def test_list_form_pass_rate(code: CodeReward) -> None:
