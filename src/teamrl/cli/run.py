@@ -45,13 +45,13 @@ def decode(ids: list[int]) -> str:
 
 @dataclass
 class RunSettings:
-    steps: int = 40
+    steps: int = 60
     tasks_per_step: int = 16
     group_size: int = 8
-    lr: float = 3e-4
+    lr: float = 5e-4
     algorithm: str = "drmas"
     update_order: str = "sequential"
-    eval_interval: int = 5
+    eval_interval: int = 10
     eval_tasks: int = 200
     seed: int = 0
     temperature: float = 1.0
