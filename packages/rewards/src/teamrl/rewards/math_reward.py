@@ -561,16 +561,19 @@ class MathReward:
         self.cache_size = cache_size
         self.worker = SympyWorker(memory_mb=memory_mb)
         self._cache: dict[tuple[str, str], tuple[bool, str]] = {}
+        self._cache_lock = threading.Lock()
 
     def _symbolic(self, pred: str, gold: str) -> tuple[bool, str]:
         key = (pred, gold)
-        if key in self._cache:
-            return self._cache[key]
+        with self._cache_lock:
+            if key in self._cache:
+                return self._cache[key]
         verdict = self.worker.compare(pred, gold, self.timeout_s, self.rel_tol)
         if verdict[1] != "timeout":  # a timeout may be load; do not remember it
-            if len(self._cache) >= self.cache_size:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = verdict
+            with self._cache_lock:
+                if len(self._cache) >= self.cache_size:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[key] = verdict
         return verdict
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
