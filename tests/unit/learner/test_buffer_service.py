@@ -26,7 +26,6 @@ from teamrl.protocol.control import (
     SampleRequest,
     Shutdown,
 )
-from teamrl.protocol.errors import PeerTimeout
 from teamrl.protocol.examples import example_trajectories
 from teamrl.protocol.zmq_transport import RpcClient, ZmqDataSender
 
@@ -60,15 +59,21 @@ class Buffer:
         cmd += ["--metrics-port", str(self.metrics_port)]
         self.log = open(self.dir.parent / "buffer.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.rpc = RpcClient(self.sample_bind, timeout_ms=3000, **FAST_HB)
+        # Wait for the port with plain TCP first: a ZeroMQ client dialling a closed port backs off
+        # (up to 2 s between tries), which would make every start look slow.
+        port = int(self.sample_bind.rsplit(":", 1)[1])
         deadline = time.monotonic() + 20
         while True:
             assert self.proc.poll() is None, self.output()
+            assert time.monotonic() < deadline, "buffer did not come up:\n" + self.output()
             try:
-                assert isinstance(self.rpc.call(BufferStatsRequest(), 300), BufferStats)
-                return self
-            except PeerTimeout:
-                assert time.monotonic() < deadline, "buffer did not come up:\n" + self.output()
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        self.rpc = RpcClient(self.sample_bind, timeout_ms=3000, **FAST_HB)
+        assert isinstance(self.rpc.call(BufferStatsRequest(), 5000), BufferStats)
+        return self
 
     def stats(self) -> BufferStats:
         reply = self.rpc.call(BufferStatsRequest())

@@ -180,6 +180,7 @@ class _Group:
     born: float  # monotonic time its first episode arrived
     priority: float = 1.0  # p_g ** alpha (prioritized sampler)
     taken: dict[int, int] = field(default_factory=dict)  # round -> the rank it went to
+    serial: int = -1  # release order; its key in ReplayBuffer._groups once released
 
     @property
     def min_version(self) -> int:
@@ -415,7 +416,8 @@ class ReplayBuffer:
         rewards = np.array([it.traj.reward for it in g.items], dtype=np.float64)
         p = float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS
         g.priority = p**self.alpha
-        self._groups[self._serial] = g
+        g.serial = self._serial
+        self._groups[g.serial] = g
         self._serial += 1
         n = len(g.items)
         for it in g.items:
@@ -553,10 +555,7 @@ class ReplayBuffer:
                 keep.append(it)
         g.items = keep
         if not keep:
-            for serial, other in self._groups.items():
-                if other is g:
-                    del self._groups[serial]
-                    break
+            del self._groups[g.serial]
 
     def _prune_taken(self) -> None:
         # Not min over the ranks seen: a rank that has not asked yet is still in round 0.
@@ -635,11 +634,11 @@ class ReplayBuffer:
         self._per_agent.clear()
         self._size = 0
         for entry in state["groups"]:
-            g = _Group(entry["group_id"], rebuild(entry["items"]), 0.0)
+            g = _Group(entry["group_id"], rebuild(entry["items"]), 0.0, serial=int(entry["serial"]))
             g.taken = {int(r): int(k) for r, k in entry["taken"].items()}
             rewards = np.array([it.traj.reward for it in g.items], dtype=np.float64)
             g.priority = (float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS) ** self.alpha
-            self._groups[int(entry["serial"])] = g
+            self._groups[g.serial] = g
             for it in g.items:
                 self._per_agent.update(it.steps_per_agent)
             self._size += len(g.items)

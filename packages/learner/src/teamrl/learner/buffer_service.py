@@ -82,7 +82,7 @@ class BufferService:
         self.receiver = ZmqDataReceiver(cfg.bind, hwm=cfg.recv_hwm, max_msg_size=cfg.max_msg_size)
         for incarnation, seqs in self.buffer.seen().items():
             self.receiver.restore(incarnation, seqs)
-        self.rpc = RpcServer(cfg.sample_bind, self.handle, max_msg_size=cfg.max_msg_size)
+        self.rpc = RpcServer(cfg.sample_bind, self.handle)
         self.waiting: list[Frame] = []  # persisted, not yet covered by a checkpoint (so not acked)
         self.first_wait = 0.0
         self.dirty = False  # state changed since the last checkpoint
