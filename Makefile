@@ -20,7 +20,6 @@ test-fast: setup
 
 bench: setup
 	$(PY) tests/bench/transport.py --quick
-	$(PY) tests/bench/learner.py --quick
 	$(PY) tests/bench/rollout.py --quick
 
 lint: setup

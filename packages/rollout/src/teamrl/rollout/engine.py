@@ -48,6 +48,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: fixed-length responses
 
 
 @dataclass
@@ -162,6 +163,7 @@ class RolloutEngine:
             top_p=sampling.top_p,
             logprobs=0,
             stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=sampling.ignore_eos,
             seed=seed,
         )
         lora, entry = self._lora(adapter)
