@@ -171,7 +171,8 @@ def test_forged_reports_do_not_count_and_group_and_folder_are_gone() -> None:
     )
     out = run_python(forge, [Step("test", "assert True")], Limits(timeout_s=TIMEOUT_S))
     assert out.find("done") is None and out.find("candidate_ok") is None
-    assert out.foreign_lines >= 1
+    # Whether a forged line reaches the report pipe at all depends on which fds the child inherits
+    # (CI runs with no stdin), so foreign_lines is not asserted; the forgeries must never count.
     assert _group_gone(out.pid)
     assert not os.path.exists(out.workdir)
 
