@@ -29,18 +29,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-CHARS = list("0123456789+=;?SVR")
-BOS, EOS_ID = 1, 14
-SOLVER, VERIFIER = "solver", "verifier"
-ADAPTERS = {SOLVER: "solver-lora", VERIFIER: "verifier-lora"}
-
-
-def encode(text: str) -> list[int]:
-    return [BOS] + [2 + CHARS.index(c) for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    return "".join(CHARS[i - 2] for i in ids if 2 <= i < 2 + len(CHARS))
+from teamrl.rollout.runner import ADAPTERS, EOS_ID, SOLVER, decode, encode  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -77,78 +66,17 @@ def build_parser(prog: str = "teamrl run") -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=d.eval_interval)
     p.add_argument("--eval-tasks", type=int, default=d.eval_tasks)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--mode",
+        choices=["async", "sync"],
+        default="async",
+        help="async (default): buffer, rollouts and learners as separate processes over ZeroMQ; "
+        "sync: generate a batch, train, generate again, in one process",
+    )
+    from teamrl.cli.run_async import add_async_arguments
+
+    add_async_arguments(p)
     return p
-
-
-def _trajectory(task: dict, group: str, sol, ver, candidate: str, version: int, incarnation: str, seq: int):
-    import numpy as np
-
-    from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
-    from teamrl.rewards import addition
-
-    r_s = addition.solver_reward(task, candidate)
-    r_v = addition.verifier_reward(task, candidate, decode(ver.token_ids))
-
-    def step(agent: str, gen, prompt: list[int], parents: list[int], reward: float) -> AgentStep:
-        return AgentStep(
-            agent_id=agent,
-            role=agent,
-            model_id="embedded-v1",
-            adapter=ADAPTERS[agent],
-            policy_version=version,
-            turn=0,
-            parents=np.asarray(parents, np.int32),
-            prompt_ids=np.asarray(prompt, np.int32),
-            response_ids=np.asarray(gen.token_ids, np.int32),
-            logprobs=np.asarray(gen.logprobs, np.float32),
-            finish_reason=gen.finish_reason,
-            reward=reward,
-            response_text=decode(gen.token_ids),
-            t_start=gen.t_start,
-            t_end=gen.t_end,
-        )
-
-    s_prompt = encode(addition.solver_prompt(task))
-    v_prompt = encode(addition.verifier_prompt(task, candidate))
-    return GraphTrajectory(
-        episode_id=uuid.uuid4().hex,
-        incarnation=incarnation,
-        seq=seq,
-        task_id=task["id"],
-        group_id=group,
-        workflow="addition-duo",
-        steps=[step(SOLVER, sol, s_prompt, [], r_s), step(VERIFIER, ver, v_prompt, [0], r_v)],
-        reward=r_s,
-        turn_rewards=np.asarray([r_s], np.float32),
-    )
-
-
-async def _episode(eng, task, temperature, seed):
-    from teamrl.rewards import addition
-    from teamrl.rollout.engine import Sampling
-
-    samp = Sampling(max_tokens=5, temperature=temperature, stop_token_ids=(EOS_ID,))
-    sol = await eng.generate(encode(addition.solver_prompt(task)), samp, ADAPTERS[SOLVER], seed=seed)
-    cand = addition.parse_answer(decode(sol.token_ids))[:3].rjust(3, "0")
-    ver = await eng.generate(
-        encode(addition.verifier_prompt(task, cand)), samp, ADAPTERS[VERIFIER], seed=seed + 1
-    )
-    return sol, ver, cand
-
-
-async def _evaluate(eng, tasks: list[dict]) -> dict[str, float]:
-    from teamrl.rewards import addition
-
-    res = await asyncio.gather(*[_episode(eng, t, 0.0, 0) for t in tasks])
-    sol = [addition.solver_reward(t, c) for t, (_, _, c) in zip(tasks, res, strict=True)]
-    ver = [
-        addition.verifier_reward(t, c, decode(v.token_ids)) for t, (_, v, c) in zip(tasks, res, strict=True)
-    ]
-    return {
-        "reward_mean": sum(sol) / len(sol),
-        "solver_accuracy": sum(sol) / len(sol),
-        "verifier_accuracy": sum(ver) / len(ver),
-    }
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -161,6 +89,7 @@ async def _run(args: argparse.Namespace) -> int:
     from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
     from teamrl.rewards import addition
     from teamrl.rollout.engine import AdapterRefused, EngineConfig, RolloutEngine
+    from teamrl.rollout.runner import WorkflowRunner
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,6 +120,7 @@ async def _run(args: argparse.Namespace) -> int:
     sender = ZmqDataSender(receiver.endpoint, incarnation)
 
     eng = RolloutEngine(EngineConfig(model=str(model), seed=args.seed))
+    runner = WorkflowRunner("addition-duo", eng, incarnation)
     await eng.start()
     print(f"[teamrl] vLLM engine up after {time.time() - t_begin:.0f} s", flush=True)
 
@@ -208,11 +138,10 @@ async def _run(args: argparse.Namespace) -> int:
 
     version = 0
     await publish(version)
-    ev = await _evaluate(eng, held_out)
+    ev = await runner.evaluate(held_out)
     eval_f.write(json.dumps({"step": 0, "time": time.time() - t_begin, "version": 0, **ev}) + "\n")
     eval_f.flush()
     print(f"[teamrl] step 0 held-out: {json.dumps(ev)}", flush=True)
-    seq = 0
     first_eval = ev["reward_mean"]
     for step in range(args.steps):
         t0 = time.time()
@@ -221,12 +150,10 @@ async def _run(args: argparse.Namespace) -> int:
         for t in batch:
             for _k in range(args.group_size):
                 jobs.append((t, rng.randrange(2**31)))
-        outs = await asyncio.gather(*[_episode(eng, t, 1.0, s) for t, s in jobs])
+        trajs = list(
+            await asyncio.gather(*[runner.episode(t, s, group_id=f"{step}-{t['id']}") for t, s in jobs])
+        )
         t_gen = time.time() - t0
-        trajs = []
-        for (t, _), (sol, ver, cand) in zip(jobs, outs, strict=True):
-            trajs.append(_trajectory(t, f"{step}-{t['id']}", sol, ver, cand, version, incarnation, seq))
-            seq += 1
         # Arrow over ZeroMQ, acked once decoded on the learner side.
         sender.send(encode_trajectories(trajs))
         got = []
@@ -267,7 +194,7 @@ async def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            ev = await _evaluate(eng, held_out)
+            ev = await runner.evaluate(held_out)
             eval_f.write(
                 json.dumps({"step": step + 1, "time": time.time() - t_begin, "version": version, **ev}) + "\n"
             )
@@ -295,6 +222,20 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "teamrl run") -> int:
     args = build_parser(prog).parse_args(argv)
+    if args.resume:
+        run_json = Path(args.resume) / "run.json"
+        if not run_json.is_file():
+            print(
+                f"{prog}: --resume {args.resume}: no run.json there (not an async run folder)",
+                file=sys.stderr,
+            )
+            return 2
+        args.run_dir = args.resume
+        args.mode = "async"
+    if args.mode == "async":
+        from teamrl.cli.run_async import run_async
+
+        return run_async(args)
     return asyncio.run(_run(args))
 
 

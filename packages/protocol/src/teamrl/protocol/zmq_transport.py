@@ -654,3 +654,17 @@ class WeightsSubscriber:
         self._rpc.close()
         self._sub.close(0)
         self._ctx.term()
+
+
+def latest_endpoint_for(pub_endpoint: str) -> str:
+    """The "latest weights" RPC endpoint paired with a weights PUB endpoint: the next port.
+
+    ``tcp://host:5557`` -> ``tcp://host:5558``. One flag (``--publish`` / ``--weights``) then names
+    both sockets, in the manifests as on the command line.
+    """
+    head, sep, port = pub_endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not head.startswith(("tcp://", "tcp://[")):
+        raise ValueError(f"weights endpoint {pub_endpoint!r}: expected tcp://HOST:PORT")
+    if int(port) >= 65535:
+        raise ValueError(f"weights endpoint {pub_endpoint!r}: no port after {port} for the latest endpoint")
+    return f"{head}:{int(port) + 1}"

@@ -1,0 +1,379 @@
+"""A learner rank as a service: sample from the replay buffer, update, publish adapters, checkpoint.
+
+``teamrl learner --buffer tcp://buffer:5556 --publish tcp://0.0.0.0:5557 --run-dir DIR`` runs::
+
+    resume         DIR/checkpoints/step-N with a DONE marker -> load it (DeepSpeed state of every
+                   adapter engine, RNG states), continue at step N with version V (never backwards)
+    every step     SampleRequest (rank, min_policy_version = version - lag) until batch_size
+                   trajectories arrived (whole groups; refusals are waited out and counted)
+                   -> LearnerEngine.train_step (advantages, objective, agent-by-agent update)
+                   -> version + 1 -> export the LoRA adapters (PEFT safetensors) to DIR/adapters/vV
+                   -> WeightsPublished (inline chunks or the folder URI, sha256 of the payload, a
+                   probe: prompt, completion, and this learner's log-probs of it) on PUB + "latest"
+                   -> a JSON line in DIR/metrics.jsonl, Prometheus metrics
+    every k steps  checkpoint (all ranks), then the DONE marker (rank 0); older ones pruned
+    SIGTERM        finish the step in progress, checkpoint, exit 0
+
+Ranks: ``RANK``/``WORLD_SIZE`` (``deepspeed`` launcher, torchrun, or a StatefulSet) make several
+ranks; each asks the buffer for its own samples under its rank id (the buffer never hands two ranks
+the same group), DeepSpeed averages their gradients, and only rank 0 exports, publishes and writes
+metrics. Every rank keeps the same step and version counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from teamrl.learner import metrics as M
+from teamrl.learner.config import LearnerConfig, LearnerConfigError, load_learner_config
+
+log = logging.getLogger("teamrl.learner")
+
+DONE = "DONE"
+SAMPLE_POLL_S = 0.05
+
+
+class LearnerService:
+    """One learner rank. ``LearnerService(cfg, ...).run()`` returns the exit code."""
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        *,
+        buffer: str,
+        publish: str,
+        run_dir: Path,
+        model: str | None = None,
+        device: str = "cpu",
+        sample_timeout_s: float = 600.0,
+    ) -> None:
+        from teamrl.learner.engine import LearnerEngine, init_distributed
+        from teamrl.protocol.zmq_transport import RpcClient, WeightsPublisher, latest_endpoint_for
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.sample_timeout_s = sample_timeout_s
+        self.rank, self.world = init_distributed(device)
+        if model is None and not cfg.base_model:
+            from teamrl.learner.modelbuild import build
+
+            model = str(build())
+        self.model = model or cfg.base_model
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            (run_dir / "learner_config.json").write_text(
+                json.dumps({**cfg.model_dump(mode="json"), "model": self.model}, indent=1) + "\n"
+            )
+        self.engine = LearnerEngine(self.model, device=device, **cfg.engine_kwargs())
+        self.rpc = RpcClient(buffer, timeout_ms=10_000)
+        self.publisher = WeightsPublisher(publish, latest_endpoint_for(publish)) if self.rank == 0 else None
+        self.step = 0
+        self.version = 0
+        self.stop_reason: str | None = None
+        self._request_id = 0
+        self._resume()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def _checkpoints(self) -> list[Path]:
+        root = self.run_dir / "checkpoints"
+        if not root.is_dir():
+            return []
+        done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / DONE).is_file()]
+        return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+    def _resume(self) -> None:
+        ckpts = self._checkpoints()
+        if not ckpts:
+            return
+        last = ckpts[-1]
+        state = json.loads((last / "state.json").read_text())
+        self.engine.load_checkpoint(last)
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        log.info("resumed from %s: step %d, version %d", last, self.step, self.version)
+        M.VERSION.set(self.version)
+
+    def checkpoint(self) -> None:
+        import torch.distributed as dist
+
+        folder = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
+        if self.rank == 0 and folder.exists():
+            shutil.rmtree(folder)
+        if self.world > 1:
+            dist.barrier()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(folder)
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:
+            (folder / "state.json").write_text(json.dumps({"step": self.step, "version": self.version}))
+            (folder / DONE).write_text("")  # only now does the checkpoint count
+            M.CHECKPOINTS.inc()
+            for old in self._checkpoints()[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+            log.info("checkpoint %s", folder)
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def sample(self) -> tuple[list[Any], float]:
+        """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, wait s)."""
+        from teamrl.protocol.codec import decode_trajectories
+        from teamrl.protocol.control import ErrorReply, SampleReply, SampleRequest
+        from teamrl.protocol.errors import PeerTimeout
+
+        lag = self.cfg.min_policy_version_lag
+        min_version = self.version - lag if lag >= 0 else -1
+        got: list[Any] = []
+        t0 = time.monotonic()
+        while len(got) < self.cfg.batch_size:
+            if self.stop_reason is not None and not got:
+                raise _Stopping
+            if time.monotonic() - t0 > self.sample_timeout_s:
+                raise TimeoutError(f"no data from the buffer for {self.sample_timeout_s:.0f} s")
+            self._request_id += 1
+            req = SampleRequest(
+                request_id=self._request_id,
+                batch_size=self.cfg.batch_size - len(got),
+                rank=self.rank,
+                min_policy_version=min_version,
+            )
+            try:
+                reply = self.rpc.call(req)
+            except PeerTimeout:
+                M.SAMPLE_ERRORS.labels("timeout").inc()
+                continue
+            if isinstance(reply, SampleReply):
+                got.extend(decode_trajectories(reply.trajectories))
+            elif isinstance(reply, ErrorReply):
+                M.SAMPLE_ERRORS.labels(reply.reason).inc()
+                time.sleep(SAMPLE_POLL_S)
+        return got, time.monotonic() - t0
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    def publish(self, trajectories: list[Any]) -> dict[str, float]:
+        """Export the adapters as version ``self.version`` and announce them (rank 0)."""
+        from teamrl.protocol.adapters import folder_payload, payload_sha256
+        from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
+
+        assert self.publisher is not None
+        t0 = time.perf_counter()
+        folder = self.run_dir / "adapters" / f"v{self.version}"
+        self.engine.export_adapters(folder)
+        payload = folder_payload(folder)
+        sha = payload_sha256(payload)
+        probe_adapter = self.cfg.adapters[0]
+        expected = self.engine.completion_logprobs(
+            probe_adapter, self.cfg.probe_prompt, self.cfg.probe_completion
+        )
+        if self.cfg.publish_mode == "inline" and len(payload) <= self.cfg.inline_max_bytes:
+            n = self.cfg.chunk_bytes
+            location: Any = InlineWeights(chunks=[payload[i : i + n] for i in range(0, len(payload), n)])
+        else:
+            location = UriWeights(uri=str(folder.resolve()))
+        msg = WeightsPublished(
+            announce_seq=0,
+            version=self.version,
+            adapters={a: a for a in self.cfg.adapters},
+            location=location,
+            sha256=sha,
+            probe=Probe(
+                prompt_ids=list(self.cfg.probe_prompt),
+                completion_ids=list(self.cfg.probe_completion),
+                expected_logprobs=expected,
+                atol=1e-3,
+            ),
+            base_model=self.model,
+        )
+        self.publisher.publish(msg)
+        dt = time.perf_counter() - t0
+        M.PUBLISH_SECONDS.observe(dt)
+        M.VERSION.set(self.version)
+        self._prune_adapters()
+        return {"publish_seconds": dt, "payload_bytes": float(len(payload))}
+
+    def _prune_adapters(self, keep: int = 8) -> None:
+        root = self.run_dir / "adapters"
+        olds = sorted(
+            (p for p in root.iterdir() if p.name.startswith("v") and p.name[1:].isdigit()),
+            key=lambda p: int(p.name[1:]),
+        )
+        for p in olds[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: Any) -> None:
+            log.info("%s received: finishing the current step, then checkpoint and exit", signum)
+            self.stop_reason = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        metrics_f = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
+        t_begin = float(os.environ.get("TEAMRL_RUN_T0", time.time()))
+        if self.publisher is not None and self.version > 0:
+            self.publish([])  # a resumed learner re-announces its version: rollouts may have restarted
+        try:
+            while self.step < self.cfg.max_steps and self.stop_reason is None:
+                try:
+                    row = self.one_step(t_begin)
+                except _Stopping:
+                    break
+                if metrics_f is not None:
+                    metrics_f.write(json.dumps(row) + "\n")
+                    metrics_f.flush()
+                    log.info(
+                        "step %d v%d reward %.3f (%.1f s, waited %.1f s for data)",
+                        row["step"],
+                        self.version,
+                        row.get("reward_mean", math.nan),
+                        row["step_seconds"],
+                        row["sample_wait_seconds"],
+                    )
+                if self.step % self.cfg.checkpoint_interval == 0:
+                    self.checkpoint()
+        finally:
+            if self.step > 0 and not (self.run_dir / "checkpoints" / f"step-{self.step:06d}" / DONE).exists():
+                self.checkpoint()
+            if metrics_f is not None:
+                metrics_f.close()
+            self.close()
+        log.info("learner stopped at step %d, version %d (%s)", self.step, self.version, self.stop_reason)
+        return 0
+
+    def one_step(self, t_begin: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        trajectories, waited = self.sample()
+        M.SAMPLE_WAIT_SECONDS.observe(waited)
+        for t in trajectories:
+            for s in t.steps:
+                M.VERSION_LAG.observe(max(0, self.version - s.policy_version))
+        # the weights held now are exactly version ``self.version`` only right after a publish
+        fresh = self.version if self.step % self.cfg.publish_interval == 0 else None
+        res = self.engine.train_step(trajectories, self.step, self.version, fresh_version=fresh)
+        self.step += 1
+        pub: dict[str, float] = {}
+        if self.step % self.cfg.publish_interval == 0:
+            self.version += 1
+            if self.publisher is not None:
+                pub = self.publish(trajectories)
+        dt = time.perf_counter() - t0
+        M.STEPS.inc()
+        M.STEP_SECONDS.observe(dt)
+        M.DATA_WAIT_RATIO.set(waited / dt if dt > 0 else 0.0)
+        M.TOKENS_PER_SECOND.set(res.metrics.get("tokens_per_s", 0.0))
+        for key, value in res.metrics.items():
+            head, _, agent = key.partition("/")
+            if agent and head in M.PER_AGENT and math.isfinite(value):
+                M.PER_AGENT[head].labels(agent).set(value)
+        by_agent: dict[str, list[float]] = {}
+        lags = []
+        for t in trajectories:
+            for s in t.steps:
+                by_agent.setdefault(s.agent_id, []).append(float(s.reward))
+                lags.append(self.version - 1 - s.policy_version)
+        return {
+            "step": self.step - 1,
+            "time": time.time() - t_begin,
+            "version": self.version,
+            "episodes": len(trajectories),
+            "reward_mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
+            **{f"reward/{a}": sum(v) / len(v) for a, v in by_agent.items()},
+            "version_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "version_lag_max": float(max(lags)) if lags else 0.0,
+            "sample_wait_seconds": waited,
+            "step_seconds": dt,
+            **pub,
+            **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
+        }
+
+    def close(self) -> None:
+        self.rpc.close()
+        if self.publisher is not None:
+            time.sleep(0.2)  # let the last announcement leave
+            self.publisher.close()
+
+
+class _Stopping(Exception):
+    """A stop was asked for while waiting for data: leave the loop without a partial step."""
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="teamrl learner",
+        description="Run a learner rank: sample graph trajectories from the replay buffer, update one "
+        "LoRA adapter per agent with DeepSpeed (off-policy corrected, agent by agent), publish the "
+        "adapters to rollouts, checkpoint. Restarted on the same --run-dir, it resumes.",
+        epilog="Every training knob is a field of the [learner] table (teamrl.learner.config.LearnerConfig), "
+        "settable with --set KEY=VALUE. Several ranks: launch with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
+        "set (torchrun, the deepspeed launcher, or a StatefulSet).",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with a [learner] table")
+    p.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[], help="override a [learner] field"
+    )
+    p.add_argument(
+        "--buffer", default="tcp://127.0.0.1:5556", help="the buffer's sample endpoint (default %(default)s)"
+    )
+    p.add_argument(
+        "--publish",
+        default="tcp://127.0.0.1:5557",
+        help="weights PUB endpoint to bind; the 'latest' RPC endpoint binds the next port (default %(default)s)",
+    )
+    p.add_argument("--run-dir", default="runs/learner", help="metrics.jsonl, adapters/, checkpoints/")
+    p.add_argument("--model", default=None, help="model folder (default: [learner] base_model or embedded)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port, 0 = off")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--sample-timeout", type=float, default=600.0, help="seconds without data before failing")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_learner_config(args.config, args.set)
+    except LearnerConfigError as e:
+        print(f"teamrl learner: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.metrics_port > 0 and int(os.environ.get("RANK", "0")) == 0:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    svc = LearnerService(
+        cfg,
+        buffer=args.buffer,
+        publish=args.publish,
+        run_dir=Path(args.run_dir),
+        model=args.model,
+        device=args.device,
+        sample_timeout_s=args.sample_timeout,
+    )
+    return svc.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

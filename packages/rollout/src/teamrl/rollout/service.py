@@ -1,0 +1,561 @@
+"""A rollout service: Flex-MG workflow episodes on vLLM, published to the replay buffer.
+
+``teamrl rollout --buffer tcp://buffer:5555 --weights tcp://learner-0.learner:5557`` runs, in one
+asyncio loop plus one sender thread::
+
+    start        vLLM engine (RolloutEngine) up and warm; ask the learner for its latest adapters
+    weights      WeightsPublished (PUB, gaps healed through the "latest" endpoint) -> payload
+                 (inline chunks or the shared folder) -> sha256 check -> safe unpack -> vLLM load as
+                 <adapter>@v<version> -> probe verification; only then do new requests use it.
+                 A refusal (checksum, corrupt, missing, load_failed, probe_failed, stale_version,
+                 bad_rank, bad_targets) is logged and counted; generation goes on with the last good one.
+    episodes     groups of ``group_size`` episodes of one task, ``groups_in_flight`` groups at once
+                 (vLLM batches their requests); tasks from this replica's shard of the data set.
+                 A finished group is one Arrow frame handed to the sender thread.
+    sender       the thread that owns the ZeroMQ DEALER (credit window, acks, resend after reconnect)
+    SIGTERM      /readyz turns false, no new groups start; groups in flight get ``drain_timeout_s``
+                 to finish, the rest are cancelled (a cancelled episode is never published, in part
+                 or whole); the sender waits for the buffer's acks; exit 0.
+
+HTTP on ``--metrics-port``: /metrics (Prometheus), /healthz (the loop is alive), /readyz (a policy is
+being served, the engine is up and the service is not draining).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import http.server
+import itertools
+import json
+import logging
+import os
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from teamrl.rollout import metrics as M
+
+log = logging.getLogger("teamrl.rollout")
+
+
+class RolloutConfigError(ValueError):
+    """The rollout config file or a flag is wrong; the message names the field."""
+
+
+class RolloutConfig(BaseModel):
+    """The ``[rollout]`` table. Flags of ``teamrl rollout`` override the file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("", description="model folder; empty = the embedded model (built if missing)")
+    workflow: str = Field("addition-duo", description="built-in workflow name (teamrl.rollout.workflows)")
+    tasks: str = Field("", description="JSONL or Parquet task file; empty = the workflow's training split")
+    group_size: int = Field(8, ge=1, description="episodes per task (the group of a group baseline)")
+    groups_in_flight: int = Field(16, ge=1, description="groups generated concurrently")
+    max_groups: int = Field(0, ge=0, description="stop after this many groups (0 = run until stopped)")
+    replica: int = Field(-1, ge=-1, description="this replica's index for task sharding (-1: from POD_NAME)")
+    num_replicas: int = Field(1, ge=1, description="replicas sharing the task set")
+    seed: int = Field(0, description="seeds task order and sampling")
+    window: int = Field(16, ge=1, description="frames in flight to the buffer before sending blocks")
+    drain_timeout_s: float = Field(30.0, ge=0, description="time groups in flight get to finish on SIGTERM")
+    flush_timeout_s: float = Field(30.0, ge=0, description="time to wait for the buffer's acks on exit")
+    max_lora_rank: int = Field(8, ge=1, description="largest LoRA rank the engine accepts")
+    keep_versions: int = Field(2, ge=1, description="adapter versions kept loaded")
+    kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1, description="vLLM CPU KV cache size")
+    adapter_dir: str = Field("", description="where received adapters are unpacked; empty = a temp folder")
+    eval_interval: int = Field(0, ge=0, description="replica 0: evaluate held-out tasks every N versions")
+    eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
+    eval_file: str = Field("", description="replica 0 appends evaluations here (JSONL)")
+    samples_dir: str = Field("", description="replica 0 writes a sample group per new version here")
+
+
+# --------------------------------------------------------------------------------------------
+# the sender thread
+
+
+class _Sender(threading.Thread):
+    """Owns the ZeroMQ DEALER: frames from a queue go out; acks come back; nothing is dropped."""
+
+    def __init__(self, endpoint: str, incarnation: str, window: int) -> None:
+        super().__init__(name="teamrl-sender", daemon=True)
+        self.endpoint = endpoint
+        self.incarnation = incarnation
+        self.window = window
+        self.q: queue.Queue[bytes] = queue.Queue()
+        self.stop_event = threading.Event()
+        self.flush_timeout_s = 30.0
+        self.lost = 0
+        self.unacked = 0
+        self.connected = threading.Event()
+
+    def run(self) -> None:
+        from teamrl.protocol.zmq_transport import ZmqDataSender
+
+        sender = ZmqDataSender(self.endpoint, self.incarnation, window=self.window)
+        acked_seen = 0
+        try:
+            while not (self.stop_event.is_set() and self.q.empty()):
+                try:
+                    payload = self.q.get(timeout=0.05)
+                except queue.Empty:
+                    sender.flush(0.0)
+                else:
+                    sender.send(payload)
+                    M.FRAMES_SENT.inc()
+                if sender._connects:
+                    self.connected.set()
+                M.FRAMES_ACKED.inc(sender.acked - acked_seen)
+                acked_seen = sender.acked
+                self.unacked = sender.unacked
+                M.PUBLISH_QUEUE.set(self.q.qsize() + sender.unacked)
+            if not sender.flush(self.flush_timeout_s):
+                log.warning("%d frames not acknowledged after %.0f s", sender.unacked, self.flush_timeout_s)
+            M.FRAMES_ACKED.inc(sender.acked - acked_seen)
+        finally:
+            self.lost = sender.close()
+            M.PUBLISH_QUEUE.set(self.lost)
+
+    def put(self, payload: bytes) -> None:
+        self.q.put(payload)
+        M.PUBLISH_QUEUE.set(self.q.qsize() + self.unacked)
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP: /metrics /healthz /readyz
+
+
+class _Http(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], svc: RolloutService) -> None:
+        self.svc = svc
+        super().__init__(addr, _Handler)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Http
+
+    def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        svc = self.server.svc
+        if self.path == "/metrics":
+            body, ctype, code = generate_latest(), CONTENT_TYPE_LATEST, 200
+        elif self.path == "/healthz":
+            alive = time.monotonic() - svc.last_tick < 30.0
+            body, ctype, code = (
+                (b"ok\n" if alive else b"event loop stalled\n"),
+                "text/plain",
+                200 if alive else 503,
+            )
+        elif self.path == "/readyz":
+            why = svc.not_ready_reason()
+            body = (why or "ready").encode() + b"\n"
+            ctype, code = "text/plain", 503 if why else 200
+        else:
+            body, ctype, code = b"not found\n", "text/plain", 404
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # probes every few seconds: keep the log for events
+
+
+# --------------------------------------------------------------------------------------------
+# the service
+
+
+class RolloutService:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        *,
+        buffer: str,
+        weights: str,
+        metrics_port: int = 0,
+        metrics_host: str = "127.0.0.1",
+    ) -> None:
+        self.cfg = cfg
+        self.buffer = buffer
+        self.weights = weights
+        self.incarnation = f"rollout-{uuid.uuid4().hex[:12]}"
+        self.stopping = False
+        self.started = False
+        self.last_tick = time.monotonic()
+        self.announced_version = 0
+        self.groups_done = 0
+        self.episodes_done = 0
+        self.http: _Http | None = None
+        if metrics_port > 0:
+            self.http = _Http((metrics_host, metrics_port), self)
+            threading.Thread(target=self.http.serve_forever, name="teamrl-http", daemon=True).start()
+        self.engine: Any = None
+        self.sender = _Sender(buffer, self.incarnation, cfg.window)
+        self.sender.flush_timeout_s = cfg.flush_timeout_s
+        self._evaluated: set[int] = set()
+        self._sampled_versions: set[int] = set()
+
+    def not_ready_reason(self) -> str:
+        if not self.started:
+            return "engine starting"
+        if self.stopping:
+            return "draining"
+        if not self.sender.connected.is_set():
+            return "buffer link not up"
+        return ""
+
+    # --- weights ------------------------------------------------------------------------------
+
+    async def apply_weights(self, msg: Any) -> bool:
+        """Fetch, check, unpack, load and verify one announcement; False (counted) if refused."""
+        from teamrl.protocol.adapters import (
+            AdapterPayloadError,
+            folder_payload,
+            payload_sha256,
+            probe_adapter,
+            unpack_adapter_payload,
+        )
+        from teamrl.rollout.engine import AdapterRefused
+
+        self.announced_version = max(self.announced_version, msg.version)
+        try:
+            if msg.version <= self.engine.version and self.engine.adapter_versions():
+                raise AdapterRefused("stale_version", f"v{msg.version} <= v{self.engine.version} in use")
+            if msg.location.kind == "inline":
+                payload = b"".join(msg.location.chunks)
+            else:
+                try:
+                    payload = folder_payload(msg.location.uri)
+                except AdapterPayloadError as e:
+                    raise AdapterRefused("missing", f"v{msg.version}: {e}") from e
+            if payload_sha256(payload) != msg.sha256:
+                raise AdapterRefused(
+                    "checksum", f"v{msg.version}: payload sha256 differs from the announcement"
+                )
+            dest = self.adapter_root / f"v{msg.version}-{uuid.uuid4().hex[:6]}"
+            try:
+                folders = unpack_adapter_payload(payload, dest)
+            except AdapterPayloadError as e:
+                raise AdapterRefused("corrupt", f"v{msg.version}: {e}") from e
+            res = await self.engine.load_version(
+                msg.version,
+                folders,
+                probe_adapter(msg.adapters),
+                msg.probe.prompt_ids,
+                msg.probe.completion_ids,
+                msg.probe.expected_logprobs,
+                msg.probe.atol,
+            )
+        except AdapterRefused as e:
+            M.ADAPTER_FAILURES.labels(e.reason).inc()
+            log.warning("adapter v%d refused (%s): %s", msg.version, e.reason, e)
+            self._gauge_versions()
+            return False
+        M.ADAPTER_LOADS.inc()
+        log.info(
+            "adapters v%d live (probe error %.2e, base gap %.3f)",
+            msg.version,
+            res["probe_err"],
+            res["base_gap"],
+        )
+        self._gauge_versions()
+        return True
+
+    def _gauge_versions(self) -> None:
+        for name, v in self.engine.adapter_versions().items():
+            M.POLICY_VERSION.labels(name).set(v)
+        M.VERSION_LAG.set(max(0, self.announced_version - self.engine.version))
+
+    async def weights_loop(self) -> None:
+        from teamrl.protocol.errors import PeerTimeout
+        from teamrl.protocol.zmq_transport import WeightsSubscriber, latest_endpoint_for
+
+        sub = WeightsSubscriber(self.weights, latest_endpoint_for(self.weights), timeout_ms=1000)
+        try:
+            try:
+                first = await asyncio.to_thread(sub.latest, 1000)
+            except PeerTimeout:
+                first = None  # no learner yet: serve the base weights (version 0) until one announces
+            if first is not None:
+                sub._accept(first)
+                await self.apply_weights(first)
+            while not self.stopping:
+                msg = await asyncio.to_thread(sub.poll, 200)
+                if msg is not None:
+                    await self.apply_weights(msg)
+                    await self.maybe_evaluate()
+        finally:
+            sub.close()
+
+    # --- episodes -----------------------------------------------------------------------------
+
+    async def run_group(self, task: dict, seeds: list[int], group_no: int) -> None:
+        from teamrl.protocol.codec import encode_trajectories
+
+        M.INFLIGHT.inc(len(seeds))
+        try:
+            trajs = await asyncio.gather(
+                *[
+                    self.runner.episode(task, seed, group_id=f"{self.incarnation}-{group_no}", seq=0)
+                    for seed in seeds
+                ]
+            )
+        except asyncio.CancelledError:
+            M.ABANDONED.labels("drain").inc(len(seeds))
+            raise
+        except Exception as e:  # a broken episode must not stop the service; nothing partial goes out
+            M.ABANDONED.labels("error").inc(len(seeds))
+            log.exception("group %d (task %s) failed: %s", group_no, task.get("id"), e)
+            return
+        finally:
+            M.INFLIGHT.dec(len(seeds))
+        for t in trajs:
+            for s in t.steps:
+                M.STEPS.labels(s.agent_id).inc()
+                M.TOKENS.labels(s.agent_id).inc(len(s.response_ids))
+                M.REWARD.labels(s.agent_id).observe(float(s.reward))
+        self.sender.put(encode_trajectories(list(trajs)))
+        M.EPISODES.labels(self.cfg.workflow).inc(len(trajs))
+        self.groups_done += 1
+        self.episodes_done += len(trajs)
+        version = min(s.policy_version for t in trajs for s in t.steps)
+        if self.samples_dir is not None and version not in self._sampled_versions:
+            self._sampled_versions.add(version)
+            (self.samples_dir / f"step-{version:06d}.arrow").write_bytes(encode_trajectories(list(trajs)))
+
+    async def maybe_evaluate(self) -> None:
+        if self.eval_file is None or self.cfg.eval_interval == 0:
+            return
+        v = self.engine.version
+        if v % self.cfg.eval_interval or v in self._evaluated:
+            return
+        self._evaluated.add(v)
+        t0 = time.time()
+        res = await self.runner.evaluate(self.held_out)
+        t_run = float(os.environ.get("TEAMRL_RUN_T0", t0))
+        row = {"version": v, "step": v, "time": t0 - t_run, "eval_seconds": time.time() - t0, **res}
+        with self.eval_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log.info("held-out at v%d: %s", v, json.dumps(res))
+
+    async def produce(self) -> None:
+        rng = random.Random(self.cfg.seed * 7919 + self.replica)
+        tasks = list(self.runner.train_tasks(self.replica, self.cfg.num_replicas))
+        if not tasks:
+            raise RolloutConfigError(f"replica {self.replica} of {self.cfg.num_replicas} has no tasks")
+        order: list[dict] = []
+        inflight: set[asyncio.Task] = set()
+        counter = itertools.count()
+        try:
+            while not self.stopping:
+                self.last_tick = time.monotonic()
+                if self.cfg.max_groups and self.groups_done + len(inflight) >= self.cfg.max_groups:
+                    if not inflight:
+                        break
+                elif len(inflight) < self.cfg.groups_in_flight:
+                    if not order:
+                        order = tasks[:]
+                        rng.shuffle(order)
+                    task = order.pop()
+                    seeds = [rng.randrange(2**31) for _ in range(self.cfg.group_size)]
+                    t = asyncio.create_task(self.run_group(task, seeds, next(counter)))
+                    inflight.add(t)
+                    t.add_done_callback(inflight.discard)
+                    continue
+                await asyncio.sleep(0.02)
+        finally:
+            if inflight:
+                log.info("draining: %d groups in flight get %.0f s", len(inflight), self.cfg.drain_timeout_s)
+                _done, pending = await asyncio.wait(inflight, timeout=self.cfg.drain_timeout_s)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def throughput_loop(self) -> None:
+        last, t_last = 0, time.monotonic()
+        while not self.stopping:
+            await asyncio.sleep(2.0)
+            now, n = time.monotonic(), self.engine.tokens_generated
+            M.THROUGHPUT.set((n - last) / (now - t_last))
+            last, t_last = n, now
+            self.last_tick = now
+
+    async def main(self) -> int:
+        import tempfile
+
+        from teamrl.rollout.engine import EngineConfig, RolloutEngine
+        from teamrl.rollout.runner import WorkflowRunner
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        self.replica = self.cfg.replica if self.cfg.replica >= 0 else _replica_from_env()
+        self.adapter_root = Path(self.cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
+        self.eval_file = Path(self.cfg.eval_file) if self.cfg.eval_file and self.replica == 0 else None
+        self.samples_dir = Path(self.cfg.samples_dir) if self.cfg.samples_dir and self.replica == 0 else None
+        if self.samples_dir is not None:
+            self.samples_dir.mkdir(parents=True, exist_ok=True)
+        model = self.cfg.model
+        if not model:
+            from teamrl.learner.modelbuild import build
+
+            model = str(build())
+        self.engine = RolloutEngine(
+            EngineConfig(
+                model=model,
+                seed=self.cfg.seed + self.replica,
+                max_lora_rank=self.cfg.max_lora_rank,
+                keep_versions=self.cfg.keep_versions,
+                kv_cache_bytes=self.cfg.kv_cache_bytes,
+            )
+        )
+        self.runner = WorkflowRunner(self.cfg.workflow, self.engine, self.incarnation, tasks=self.cfg.tasks)
+        self.held_out = self.runner.held_out_tasks(self.cfg.eval_tasks)
+        self.sender.start()
+        t0 = time.time()
+        await self.engine.start()
+        self.started = True
+        M.READY.set(1)
+        log.info(
+            "rollout %s up in %.0f s: replica %d/%d, workflow %s, buffer %s, weights %s",
+            self.incarnation,
+            time.time() - t0,
+            self.replica,
+            self.cfg.num_replicas,
+            self.cfg.workflow,
+            self.buffer,
+            self.weights,
+        )
+        weights = asyncio.create_task(self.weights_loop())
+        tput = asyncio.create_task(self.throughput_loop())
+        try:
+            await self.maybe_evaluate()
+            await self.produce()
+        finally:
+            self.stopping = True
+            M.READY.set(0)
+            for t in (weights, tput):
+                t.cancel()
+            await asyncio.gather(weights, tput, return_exceptions=True)
+            self.sender.stop_event.set()
+            await asyncio.to_thread(self.sender.join)
+            await self.engine.close()
+            if self.http is not None:
+                self.http.shutdown()
+        log.info(
+            "rollout stopped: %d groups, %d episodes published; %d frames un-acknowledged",
+            self.groups_done,
+            self.episodes_done,
+            self.sender.lost,
+        )
+        return 0 if self.sender.lost == 0 else 1
+
+    def request_stop(self, why: str = "") -> None:
+        if not self.stopping:
+            log.info("%s: draining", why or "stop requested")
+        self.stopping = True
+        M.READY.set(0)
+
+
+def _replica_from_env() -> int:
+    """The StatefulSet/Deployment ordinal in POD_NAME (``rollout-3`` -> 3), else 0."""
+    tail = os.environ.get("POD_NAME", "").rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="teamrl rollout",
+        description="Run one rollout service: multi-agent workflow episodes on vLLM with per-agent LoRA "
+        "adapters, published as Arrow graph trajectories over ZeroMQ to the replay buffer; adapter "
+        "versions from the learner are verified before use. SIGTERM drains without losing data.",
+        epilog="Every knob is a field of the [rollout] table (teamrl.rollout.service.RolloutConfig), "
+        "settable with --set KEY=VALUE.",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with a [rollout] table")
+    p.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[], help="override a [rollout] field"
+    )
+    p.add_argument(
+        "--buffer", default="tcp://127.0.0.1:5555", help="buffer data endpoint (default %(default)s)"
+    )
+    p.add_argument(
+        "--weights",
+        default="tcp://127.0.0.1:5557",
+        help="learner weights PUB endpoint; its 'latest' endpoint is the next port (default %(default)s)",
+    )
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics /healthz /readyz port, 0 = off")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def load_config(path: str | None, overrides: list[str]) -> RolloutConfig:
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise RolloutConfigError(f"config file {path!r} does not exist") from None
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise RolloutConfigError(f"config file {path!r} is not readable TOML: {e}") from None
+        data = dict(raw.get("rollout", {}))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RolloutConfigError(f"override {item!r}: expected KEY=VALUE, e.g. group_size=8")
+        try:
+            data[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            data[key] = value
+    try:
+        return RolloutConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"invalid rollout config: {e.error_count()} problem(s)"]
+        for err in e.errors():
+            loc = ".".join(["rollout", *(str(x) for x in err["loc"])])
+            lines.append(f"  - {loc}: got {err.get('input')!r:.80}; expected: {err['msg']}")
+        raise RolloutConfigError("\n".join(lines)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+    except RolloutConfigError as e:
+        print(f"teamrl rollout: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    svc = RolloutService(
+        cfg,
+        buffer=args.buffer,
+        weights=args.weights,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(svc.main())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
