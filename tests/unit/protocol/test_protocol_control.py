@@ -57,6 +57,13 @@ STRATEGIES = {
         base_model=st.text(max_size=20),
     ),
     C.LatestWeightsRequest: st.builds(C.LatestWeightsRequest, have_version=st.integers(-1, 10**9)),
+    C.ProfilesPublished: st.builds(
+        C.ProfilesPublished,
+        version=seq,
+        profiles=st.dictionaries(ids, st.text(max_size=60), max_size=3),
+        sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
+    ),
+    C.LatestProfilesRequest: st.builds(C.LatestProfilesRequest, have_version=st.integers(-1, 10**9)),
     C.Drain: st.builds(C.Drain, reason=st.text(), deadline_s=st.floats(0, 1e6)),
     C.Shutdown: st.builds(C.Shutdown, reason=st.text()),
     C.BufferStatsRequest: st.just(C.BufferStatsRequest()),

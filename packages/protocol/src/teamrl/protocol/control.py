@@ -128,6 +128,32 @@ class LatestWeightsRequest(_Message):
     have_version: int = -1  # -1: none yet
 
 
+MAX_PROFILE_CHARS = 65_536  # one agent profile (system prompt), in characters
+ProfileText = Annotated[str, Field(max_length=MAX_PROFILE_CHARS)]
+
+
+class ProfilesPublished(_Message):
+    """Profile learner -> rollouts (PUB, and the publisher's "latest" endpoint): new agent profiles.
+
+    LangMARL's policy improvement in language space: a profile is an agent's system prompt.
+    ``profiles`` is the whole map of this version (not a diff), so a rollout that missed versions
+    needs only the latest. ``sha256`` is of the canonical JSON ``{"profiles": ..., "version": ...}``
+    (sorted keys, no spaces, UTF-8), checked before use by ``teamrl.rewards.profiles.apply_profiles``.
+    """
+
+    type: Literal["profiles_published"] = "profiles_published"
+    version: NonNeg  # profile version; never goes backwards, one more than its parent
+    profiles: dict[Id, ProfileText]  # {agent_id: system prompt}
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class LatestProfilesRequest(_Message):
+    """Rollout -> the profile publisher's "latest" endpoint, after a version gap or on start-up."""
+
+    type: Literal["latest_profiles_request"] = "latest_profiles_request"
+    have_version: int = -1  # -1: none yet
+
+
 class Drain(_Message):
     """Orchestrator -> any service: finish in-flight work, take no new work, flush, then exit."""
 
@@ -199,6 +225,8 @@ ControlMessage = Annotated[
     | Ack
     | WeightsPublished
     | LatestWeightsRequest
+    | ProfilesPublished
+    | LatestProfilesRequest
     | Drain
     | Shutdown
     | BufferStatsRequest
@@ -214,6 +242,8 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (
     Ack,
     WeightsPublished,
     LatestWeightsRequest,
+    ProfilesPublished,
+    LatestProfilesRequest,
     Drain,
     Shutdown,
     BufferStatsRequest,
