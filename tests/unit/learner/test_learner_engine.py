@@ -84,3 +84,39 @@ def test_trajectory_without_trainable_rows_is_a_typed_error(engine) -> None:
         t.steps[0].adapter = "someone-else"
     with pytest.raises(LearnerError, match="no trainable rows"):
         engine.train_step(trajs, step=1, current_version=0)
+
+
+@pytest.mark.parametrize("level", ["action", "token"])
+def test_ppo_critic_trains_the_value_head_and_reports_its_metrics(engine, level) -> None:
+    from teamrl.learner.engine import AdapterSettings, LearnerEngine
+    from teamrl.learner.modelbuild import build
+
+    s = AdapterSettings(lr=1e-3, clip_low=0.2, clip_high=0.2)
+    names = ["solver-lora", "verifier-lora"]
+    eng = LearnerEngine(
+        build(),
+        names,
+        adapter_settings={n: s for n in names},
+        objective="ppo-critic",
+        critic_level=level,
+        critic_lr=1e-2,
+        gamma=1.0,
+        kl_coef=0.01,
+    )
+    trajs = _trajectories(engine)
+    head_before = [p.detach().clone() for p in eng.critic.module.parameters()]
+    lora_before = {n: p.detach().clone() for n, p in eng.model.named_parameters() if "lora_B" in n}
+    value_losses = []
+    for step in range(4):
+        res = eng.train_step(trajs, step=step, current_version=step, fresh_version=0 if step == 0 else None)
+        value_losses.append(res.metrics["value_loss"])
+        for key in ("value_loss", "explained_variance", "value_mean", "critic_grad_norm", "kl/solver-lora"):
+            assert np.isfinite(res.metrics[key]), key
+    assert value_losses[-1] < value_losses[0]  # same data every step: the head fits its returns
+    assert any(
+        not torch.equal(a, b) for a, b in zip(head_before, eng.critic.module.parameters(), strict=True)
+    )
+    moved = {
+        n for n, p in eng.model.named_parameters() if "lora_B" in n and not torch.equal(p, lora_before[n])
+    }
+    assert moved and all(".solver-lora." in n for n in moved)

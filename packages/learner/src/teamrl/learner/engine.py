@@ -6,7 +6,7 @@ Call sequence::
     eng = LearnerEngine(model_dir, adapters, **plain_kwargs)
     res = eng.train_step(trajectories, step, current_version, fresh_version)   # -> StepResult
     eng.export_adapters(folder)              # PEFT save_pretrained, one subfolder per adapter
-    eng.save_checkpoint(folder) / eng.load_checkpoint(folder)
+    eng.save_checkpoint(folder, versions=...)  / state = eng.load_checkpoint(folder)  # -> EngineState
 
 Design decisions:
 
@@ -27,6 +27,19 @@ Design decisions:
 * **Objective**: AReaL decoupled PPO (π_θ/π_prox inside the clip, token weight π_prox/μ capped at
   ``tis_cap`` outside it = token TIS), or plain PPO-clip against π_prox; plus β·KL(π_θ‖π_ref) with π_ref the
   base with adapters disabled (``disable_adapter()``). π_prox is the adapter before this step's update.
+* **PPO with a centralised critic** (``objective="ppo-critic"``, MARFT APPO/TPPO): a value head on the
+  frozen base's hidden states (:mod:`teamrl.learner.critic`, which explains the choice), its own
+  DeepSpeed engine and AdamW (``critic_lr``), GAE at action or token level (``critic_level``) on the
+  values before this step's critic update, advantages whitened over the batch. ``action``: one PPO ratio
+  per action from length-normalised log-probs (``action_logprob_norm="token"``: the geometric-mean token
+  ratio), loss averaged over actions; ``token``: per-token ratios and advantages. Both keep the
+  decoupled behaviour weight π_prox/μ (capped by ``tis_cap``), since the data is asynchronous. The HAPPO
+  factor still uses summed action log-probs (update.py).
+* **Checkpoint**: every adapter engine's and the critic's DeepSpeed state (LoRA weights, AdamW moments,
+  step counts), per-rank torch/numpy/python RNG states, and ``engine_state.json`` (next step, adapter
+  versions, optimiser step counts) written last as the completion marker. A restarted learner that
+  loads it continues bit-for-bit (``tests/unit/learner/test_learner_resume.py``): nothing else in a step
+  depends on state (the update order is seeded by the step number).
 * **Update**: :func:`teamrl.learner.update.sequential_update`. A joint row of the HAPPO factor is one
   *trajectory*: agent k's action log-prob on it is the sum over its steps in that episode (0 where it did
   not act), and agent m's rows are weighted by the factor of their trajectory. ``simultaneous`` is
@@ -40,6 +53,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
@@ -54,8 +68,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from teamrl.learner.advantages import agentwise_advantages, grpo_advantages
-from teamrl.learner.losses import agg_loss, decoupled_ppo_loss, kl_penalty, ppo_clip_loss
+from teamrl.learner.advantages import agentwise_advantages, grpo_advantages, masked_whiten
+from teamrl.learner.critic import (
+    ValueHead,
+    action_level_gae,
+    chain_rewards,
+    explained_variance,
+    token_level_gae,
+)
+from teamrl.learner.losses import (
+    action_logprob,
+    agg_loss,
+    clipped_value_loss,
+    decoupled_ppo_loss,
+    kl_penalty,
+    ppo_clip_loss,
+)
 from teamrl.learner.update import random_order, sequential_update
 from teamrl.protocol.trajectory import GraphTrajectory
 
@@ -65,6 +93,7 @@ __all__ = [
     "AdapterSettings",
     "RowBatch",
     "StepResult",
+    "EngineState",
     "build_rows",
     "row_advantages",
     "init_distributed",
@@ -287,6 +316,19 @@ _STAT_KEYS = (
 )
 
 
+@dataclass(frozen=True)
+class EngineState:
+    """What a checkpoint says beyond tensors: resume at ``next_step`` with these adapter versions.
+
+    adapter_updates: optimiser steps taken per adapter; extra: the caller's JSON data (``save_checkpoint``).
+    """
+
+    next_step: int
+    adapter_versions: dict[str, int]
+    adapter_updates: dict[str, int]
+    extra: dict[str, Any]
+
+
 @dataclass
 class StepResult:
     """What one train step did: flat metrics (``loss/<adapter>``, ...), rows ignored, the order used."""
@@ -319,7 +361,7 @@ class LearnerEngine:
         temperature: float = 1.0,
         algorithm: Literal["grpo", "drmas", "dr_grpo"] = "drmas",
         reward_source: Literal["step", "trajectory"] = "step",
-        objective: Literal["decoupled", "ppo"] = "decoupled",
+        objective: Literal["decoupled", "ppo", "ppo-critic"] = "decoupled",
         tis_cap: float | None = 2.0,
         tis_mode: Literal["clamp", "mask"] = "clamp",
         kl_coef: float = 0.0,
@@ -330,6 +372,16 @@ class LearnerEngine:
         order: Literal["random", "fixed"] = "random",
         epochs: int = 1,
         seed: int = 0,
+        critic_level: Literal["action", "token"] = "action",
+        gamma: float = 0.99,
+        lam: float = 0.95,
+        token_gamma: float | None = None,
+        value_coef: float = 1.0,
+        critic_lr: float = 5e-4,
+        value_clip: float | None = 0.2,
+        critic_hidden: int = 256,
+        action_logprob_norm: Literal["token", "sum"] = "token",
+        whiten_advantages: bool = True,
     ) -> None:
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -359,6 +411,23 @@ class LearnerEngine:
         self.epochs = epochs
         self.seed = seed
         self.model_dir = str(model_dir)
+        if objective not in ("decoupled", "ppo", "ppo-critic"):
+            raise LearnerError(f"unknown objective {objective!r}; expected decoupled, ppo or ppo-critic")
+        if critic_level not in ("action", "token"):
+            raise LearnerError(f"unknown critic_level {critic_level!r}; expected 'action' or 'token'")
+        if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+            raise LearnerError(f"gamma and lam must lie in [0, 1], got gamma={gamma} lam={lam}")
+        self.critic_level = critic_level
+        self.gamma = gamma
+        self.lam = lam
+        self.token_gamma = token_gamma
+        self.value_coef = value_coef
+        self.value_clip = value_clip
+        self.action_logprob_norm = action_logprob_norm
+        self.whiten_advantages = whiten_advantages
+        self.next_step = 0  # the step after the last one trained (restored by load_checkpoint)
+        self.last_version = -1  # current_version of the last train_step
+        self.updates = dict.fromkeys(self.adapters, 0)  # optimiser steps taken per adapter
 
         torch.manual_seed(seed)  # LoRA A init: the same on every rank and every fresh start
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
@@ -398,6 +467,16 @@ class LearnerEngine:
             )
             self.engines[name] = eng
         self._trainable(None)
+        self.critic: Any = None  # the value head's DeepSpeed engine (objective "ppo-critic" only)
+        if objective == "ppo-critic":
+            head = ValueHead(int(base.config.hidden_size), critic_hidden).to(self.device)
+            critic_opt = torch.optim.AdamW(
+                head.parameters(), lr=critic_lr, weight_decay=weight_decay, betas=(0.9, 0.999)
+            )
+            critic_config = dict(ds_config, bf16={"enabled": False})  # the head stays float32
+            self.critic, _, _, _ = deepspeed.initialize(
+                model=head, optimizer=critic_opt, config=critic_config, dist_init_required=False
+            )
 
     # --- parameters ---------------------------------------------------------------------------
 
@@ -448,6 +527,38 @@ class LearnerEngine:
             sel = logits.gather(1, gather[..., None].expand(-1, -1, vocab)).float() / self.temperature
             logp = torch.log_softmax(sel, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
         return logp.cpu() if self.device.type != "cpu" else logp
+
+    @torch.no_grad()
+    def _base_pass(self, batch: RowBatch, idx: Tensor, want_logp: bool) -> tuple[Tensor, Tensor | None]:
+        """Critic features of rows ``idx`` from the base (adapters disabled), in one no-grad pass.
+
+        Returns (features, ref_logp): features [n, H] (hidden state at ``prompt_len − 1``, action level)
+        or [n, R, H] (at ``prompt_len − 1 + j``, token level), float32 on CPU; ref_logp [n, R] (the KL
+        reference, 0 on padding) when ``want_logp``, else None. The backbone is called directly so
+        only the last hidden state is kept (``output_hidden_states`` would hold every layer's).
+        """
+        big_l = int((batch.prompt_lens[idx] + batch.resp_lens[idx]).max())
+        ids = batch.input_ids[idx, :big_l].to(self.device)
+        attn = batch.attention_mask[idx, :big_l].to(self.device)
+        pos = torch.arange(big_l, device=self.device).expand(len(idx), -1)
+        big_r = batch.response_ids.shape[1]
+        gather = (batch.prompt_lens[idx, None] - 1 + torch.arange(big_r)[None, :]).clamp(max=big_l - 1)
+        gather = gather.to(self.device)
+        base = self.model.get_base_model()
+        self.model.eval()
+        with self.model.disable_adapter():
+            hidden = base.get_decoder()(
+                input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False
+            ).last_hidden_state
+            sel = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, R, H]
+            ref = None
+            if want_logp:
+                logits = base.get_output_embeddings()(sel).float() / self.temperature
+                resp = batch.response_ids[idx].to(self.device)
+                ref = torch.log_softmax(logits, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
+                ref = ref.cpu() * batch.resp_mask[idx]
+        feats = sel[:, 0] if self.critic_level == "action" else sel
+        return feats.float().cpu(), ref
 
     def _chunks(self, idx: Tensor) -> list[Tensor]:
         return [idx[i : i + self.micro_batch_rows] for i in range(0, len(idx), self.micro_batch_rows)]
@@ -538,15 +649,24 @@ class LearnerEngine:
         """
         t0 = time.perf_counter()
         batch, ignored = build_rows(trajectories, self.adapters, self.reward_source)
-        adv = row_advantages(batch, self.algorithm)
         rows = {a: batch.rows_of(a) for a in self.adapters}
-        counts = _all_reduce_max([math.ceil(len(rows[a]) / self.micro_batch_rows) for a in self.adapters])
-        # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
-        n_micro = dict(zip(self.adapters, counts, strict=True))
         prox: dict[str, Tensor] = {}
         ref: dict[str, Tensor] = {}
         stats: dict[str, dict[str, float]] = {}
         m: dict[str, float] = {}
+        # adv_row [N]: one advantage per row (None at token level); adv_tok [N, R]: per response token
+        adv_row: Tensor | None
+        if self.critic is not None:
+            adv_row, adv_tok = self._critic_advantages(batch, rows, ref, m)
+        else:
+            adv_row = row_advantages(batch, self.algorithm)
+            adv_tok = adv_row[:, None] * batch.resp_mask
+            if self.kl_coef > 0:
+                for a in self.adapters:
+                    ref[a] = self.token_logprobs(batch, rows[a], None)
+        counts = _all_reduce_max([math.ceil(len(rows[a]) / self.micro_batch_rows) for a in self.adapters])
+        # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
+        n_micro = dict(zip(self.adapters, counts, strict=True))
 
         def traj_sum(adapter: str, token_logp: Tensor) -> Tensor:
             out = torch.zeros(batch.n_traj, dtype=torch.float32)
@@ -567,13 +687,11 @@ class LearnerEngine:
                     "rejected_tokens": 0.0,
                     "lr": self.settings[adapter].lr,
                 }
+            self.updates[adapter] += 1
             return self._optimiser_step(
-                batch, rows[adapter], adapter, adv, factor, prox, ref, n_micro[adapter]
+                batch, rows[adapter], adapter, adv_row, adv_tok, factor, prox, ref, n_micro[adapter]
             )
 
-        if self.kl_coef > 0:
-            for a in self.adapters:
-                ref[a] = self.token_logprobs(batch, rows[a], None)
         order = self._order(step)
         result = sequential_update(
             self.adapters,
@@ -616,14 +734,17 @@ class LearnerEngine:
         for agent in sorted(set(batch.agent_of_row)):
             sel = torch.tensor([x == agent for x in batch.agent_of_row])
             m[f"reward_mean/{agent}"] = float(batch.rewards[sel].mean())
-            m[f"advantage_mean/{agent}"] = float(adv[sel].mean())
-            m[f"advantage_std/{agent}"] = float(adv[sel].std(unbiased=False))
+            a_vals = adv_row[sel] if adv_row is not None else adv_tok[sel][batch.resp_mask[sel]]
+            m[f"advantage_mean/{agent}"] = float(a_vals.mean())
+            m[f"advantage_std/{agent}"] = float(a_vals.std(unbiased=False))
         m["reward_mean"] = float(np.mean(batch.team_rewards)) if batch.team_rewards else math.nan
         m["staleness_mean"] = float((current_version - batch.versions).float().mean())
         m["tokens"] = float(tokens)
         m["rows"] = float(batch.n_rows)
         m["step_time_s"] = elapsed
         m["tokens_per_s"] = tokens / elapsed if elapsed > 0 else math.nan
+        self.next_step = step + 1
+        self.last_version = current_version
         return StepResult(
             metrics=m,
             ignored=ignored,
@@ -631,12 +752,87 @@ class LearnerEngine:
             losses={a: s["loss"] for a, s in stats.items()},
         )
 
+    def _critic_advantages(
+        self, batch: RowBatch, rows: Mapping[str, Tensor], ref: dict[str, Tensor], m: dict[str, float]
+    ) -> tuple[Tensor | None, Tensor]:
+        """GAE advantages from the centralised critic, then the critic's own update (critic module).
+
+        Returns (adv_row [N] at action level / None at token level, adv_tok [N, R]); fills ``ref`` with
+        the KL reference log-probs of every adapter's rows (same base pass) and ``m`` with the critic
+        metrics. Advantages are computed on the values *before* this step's critic update.
+        """
+        all_rows = torch.arange(batch.n_rows)
+        parts = [self._base_pass(batch, c, self.kl_coef > 0) for c in self._chunks(all_rows)]
+        feats = torch.cat([f for f, _ in parts])
+        if self.kl_coef > 0:
+            ref_all = torch.cat([r for _, r in parts if r is not None])
+            for a in self.adapters:
+                ref[a] = ref_all[rows[a]]
+        token = self.critic_level == "token"
+        vmask = batch.resp_mask if token else torch.ones(batch.n_rows, dtype=torch.bool)
+        self.critic.eval()
+        with torch.no_grad():
+            v_old = torch.cat(
+                [self.critic(feats[c].to(self.device)).float().cpu() for c in self._chunks(all_rows)]
+            )
+        v_old = v_old * vmask
+        team = torch.tensor(batch.team_rewards) if self.reward_source == "trajectory" else None
+        r = chain_rewards(batch.rewards, batch.traj_idx, team)
+        if token:
+            adv, ret = token_level_gae(
+                r,
+                v_old,
+                batch.resp_mask,
+                batch.traj_idx,
+                batch.n_traj,
+                self.gamma,
+                self.lam,
+                self.token_gamma,
+            )
+        else:
+            adv, ret = action_level_gae(r, v_old, batch.traj_idx, batch.n_traj, self.gamma, self.lam)
+        m["value_mean"] = float(v_old[vmask].mean())
+        m["return_mean"] = float(ret[vmask].mean())
+        m["explained_variance"] = explained_variance(v_old, ret, vmask)
+        m.update(self._critic_update(feats, v_old, ret, vmask))
+        if self.whiten_advantages and int(vmask.sum()) > 1:
+            adv = masked_whiten(adv, vmask)
+        if token:
+            return None, adv * batch.resp_mask
+        return adv, adv[:, None] * batch.resp_mask
+
+    def _critic_update(self, feats: Tensor, v_old: Tensor, ret: Tensor, vmask: Tensor) -> dict[str, float]:
+        """``epochs`` optimiser steps of the value head on the clipped value loss (masked mean)."""
+        eng = self.critic
+        chunks = self._chunks(torch.arange(feats.shape[0]))
+        n_micro = _all_reduce_max([len(chunks)])[0]  # every rank issues the same collectives
+        total = float(vmask.sum())
+        eng.train()
+        value_loss = 0.0
+        for _ in range(self.epochs):
+            value_loss = 0.0
+            for j in range(n_micro):
+                eng.set_gradient_accumulation_boundary(j == n_micro - 1)
+                if j >= len(chunks):  # dummy micro-batch: zero gradient
+                    eng.backward(eng(feats[:1].to(self.device)).sum() * 0.0)
+                    continue
+                c = chunks[j]
+                v = eng(feats[c].to(self.device)).float().cpu()
+                terms = clipped_value_loss(v, v_old[c], ret[c], vmask[c], clip_eps=self.value_clip)
+                loss = terms.sum() / total
+                eng.backward(self.value_coef * loss)
+                value_loss += float(loss.detach())
+            eng.step()
+        gn = eng.get_global_grad_norm()
+        return {"value_loss": value_loss, "critic_grad_norm": float(gn) if gn is not None else math.nan}
+
     def _optimiser_step(
         self,
         batch: RowBatch,
         idx: Tensor,
         adapter: str,
-        adv: Tensor,
+        adv_row: Tensor | None,
+        adv_tok: Tensor,
         factor: Tensor,
         prox: dict[str, Tensor],
         ref: dict[str, Tensor],
@@ -650,7 +846,8 @@ class LearnerEngine:
         mask_all = batch.resp_mask[idx]
         total_tokens = float(mask_all.sum())
         total_seqs = float((mask_all.sum(-1) > 0).sum())
-        acc = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "rejected": 0.0}
+        acc = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "rejected": 0.0, "units": 0.0}
+        action_level = self.objective == "ppo-critic" and self.critic_level == "action"
         ratio_sum, ratio_max, w_sum, w_max = 0.0, 0.0, 0.0, 0.0
         use_cached = adapter in prox
         new_prox: list[Tensor] = []
@@ -673,9 +870,25 @@ class LearnerEngine:
                 p = logp.detach() * mask
                 new_prox.append(p)
             offset += len(c)
-            a_tok = (adv[c] * factor[batch.traj_idx[c]])[:, None].expand_as(logp) * mask
+            f_row = factor[batch.traj_idx[c]]
             behav = batch.behav_logp[c]
-            if self.objective == "decoupled":
+            if action_level:
+                # APPO: one ratio per action from length-normalised log-probs (ALGORITHMS.md §2)
+                assert adv_row is not None
+                row_mask = mask.any(-1)
+                terms = decoupled_ppo_loss(
+                    action_logprob(logp, mask, self.action_logprob_norm),
+                    action_logprob(p, mask, self.action_logprob_norm),
+                    action_logprob(behav, mask, self.action_logprob_norm),
+                    adv_row[c] * f_row,
+                    row_mask,
+                    s.clip_low,
+                    s.clip_high,
+                    cap=self.tis_cap,
+                    cap_mode=self.tis_mode,
+                )
+            elif self.objective in ("decoupled", "ppo-critic"):
+                a_tok = adv_tok[c] * f_row[:, None]
                 terms = decoupled_ppo_loss(
                     logp,
                     p,
@@ -688,8 +901,11 @@ class LearnerEngine:
                     cap_mode=self.tis_mode,
                 )
             else:
+                a_tok = adv_tok[c] * f_row[:, None]
                 terms = ppo_clip_loss(logp, p, a_tok, mask, s.clip_low, s.clip_high)
-            loss = agg_loss(terms.loss, mask, self.loss_agg)
+            # an action-level loss is a mean over actions; `unit` is what the ratio statistics count
+            unit = row_mask if action_level else mask
+            loss = agg_loss(terms.loss, unit, "token-mean" if action_level else self.loss_agg)
             if self.kl_coef > 0:
                 kl_tok = kl_penalty(logp, ref[adapter][offset - len(c) : offset], self.kl_estimator)
                 kl = agg_loss(kl_tok * mask, mask, self.loss_agg)
@@ -697,19 +913,27 @@ class LearnerEngine:
                 acc["kl"] += float(kl.detach()) * float(mask.sum())
             share = (
                 float(mask.sum()) / total_tokens
-                if self.loss_agg == "token-mean"
+                if self.loss_agg == "token-mean" and not action_level
                 else float((mask.sum(-1) > 0).sum()) / total_seqs
             )
             eng.backward(loss * share)
-            ntok = float(mask.sum())
             acc["loss"] += float(loss.detach()) * share
             acc["clipped"] += float(terms.clipped.sum())
             acc["rejected"] += float(terms.rejected.sum())
-            acc["tokens"] += ntok
-            r = terms.ratio[mask]
+            acc["tokens"] += float(mask.sum())
+            acc["units"] += float(unit.sum())
+            r = terms.ratio[unit]
             ratio_sum += float(r.sum())
             ratio_max = max(ratio_max, float(r.max()))
-            behav_w = torch.exp((p - behav).clamp(-20, 20))[mask]  # π_prox/μ before the cap
+            if action_level:  # π_prox/μ before the cap, per action or per token
+                behav_w = torch.exp(
+                    (
+                        action_logprob(p, mask, self.action_logprob_norm)
+                        - action_logprob(behav, mask, self.action_logprob_norm)
+                    ).clamp(-20, 20)
+                )[unit]
+            else:
+                behav_w = torch.exp((p - behav).clamp(-20, 20))[mask]
             w_sum += float(behav_w.sum())
             w_max = max(w_max, float(behav_w.max()))
         eng.step()
@@ -718,14 +942,15 @@ class LearnerEngine:
         self._trainable(None)
         gn = eng.get_global_grad_norm()
         ntok = max(acc["tokens"], 1.0)
+        nunit = max(acc["units"], 1.0)
         return {
             "loss": acc["loss"],
             "grad_norm": float(gn) if gn is not None else math.nan,
-            "clip_frac": acc["clipped"] / ntok,
+            "clip_frac": acc["clipped"] / nunit,
             "kl": acc["kl"] / ntok,
-            "ratio_mean": ratio_sum / ntok,
+            "ratio_mean": ratio_sum / nunit,
             "ratio_max": ratio_max,
-            "is_weight_mean": w_sum / ntok,
+            "is_weight_mean": w_sum / nunit,
             "is_weight_max": w_max,
             "rejected_tokens": acc["rejected"],
             "tokens": acc["tokens"],
@@ -747,10 +972,24 @@ class LearnerEngine:
                 raise LearnerError(f"PEFT did not write {out[name]}/adapter_model.safetensors")
         return out
 
-    def save_checkpoint(self, folder: str | Path) -> None:
+    def save_checkpoint(
+        self,
+        folder: str | Path,
+        *,
+        versions: Mapping[str, int] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         """Every rank: each adapter engine's DeepSpeed checkpoint (adapter params + ZeRO optimiser
-        partitions; the frozen base is excluded) and this rank's RNG states."""
+        partitions; the frozen base is excluded), the critic's, and this rank's RNG states; rank 0
+        then writes ``engine_state.json`` (step, adapter versions, optimiser step counts, ``extra``).
+
+        ``versions``: the published version of each adapter (default: every adapter at the
+        ``current_version`` of the last :meth:`train_step`). ``engine_state.json`` is written last and
+        atomically, so a folder without it is an incomplete checkpoint that :meth:`load_checkpoint`
+        refuses. ``extra`` must be JSON-serialisable (e.g. the caller's counters).
+        """
         folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
         rank, _ = _world()
         for name, eng in self.engines.items():
             self._trainable(name)  # exclude_frozen_parameters keeps only this adapter's weights
@@ -758,21 +997,66 @@ class LearnerEngine:
                 str(folder / "ds"), tag=name, save_latest=False, exclude_frozen_parameters=True
             )
         self._trainable(None)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(folder / "ds"), tag=_CRITIC_TAG, save_latest=False)
         torch.save(
             {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             folder / f"rng_rank{rank}.pt",
         )
+        _barrier()  # every rank's files exist before the completion marker does
+        if rank == 0:
+            state = {
+                "format": _CHECKPOINT_FORMAT,
+                "next_step": self.next_step,
+                "adapter_versions": dict(versions)
+                if versions is not None
+                else dict.fromkeys(self.adapters, self.last_version),
+                "adapter_updates": dict(self.updates),
+                "adapters": list(self.adapters),
+                "objective": self.objective,
+                "critic_level": self.critic_level if self.critic is not None else None,
+                "extra": dict(extra or {}),
+            }
+            tmp = folder / f".{_STATE_FILE}.tmp"
+            tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+            os.replace(tmp, folder / _STATE_FILE)
+        _barrier()
 
-    def load_checkpoint(self, folder: str | Path) -> None:
-        """Every rank: restore what :meth:`save_checkpoint` wrote (raises LearnerError if incomplete)."""
+    def load_checkpoint(self, folder: str | Path) -> EngineState:
+        """Every rank: restore what :meth:`save_checkpoint` wrote (raises LearnerError if incomplete or
+        written for other adapters / another objective); returns the saved :class:`EngineState`."""
         folder = Path(folder)
         rank, _ = _world()
+        state_file = folder / _STATE_FILE
+        if not state_file.is_file():
+            raise LearnerError(f"checkpoint {folder} is incomplete: {_STATE_FILE} is missing")
+        try:
+            raw = json.loads(state_file.read_text())
+        except json.JSONDecodeError as e:
+            raise LearnerError(f"checkpoint {folder}: {_STATE_FILE} is not valid JSON: {e}") from None
+        if raw.get("format") != _CHECKPOINT_FORMAT:
+            raise LearnerError(
+                f"checkpoint {folder} has format {raw.get('format')!r}, expected {_CHECKPOINT_FORMAT}"
+            )
+        if sorted(raw["adapters"]) != sorted(self.adapters):
+            raise LearnerError(
+                f"checkpoint {folder} holds adapters {raw['adapters']}, this learner trains {self.adapters}"
+            )
+        if (raw["critic_level"] is not None) != (self.critic is not None):
+            raise LearnerError(
+                f"checkpoint {folder} was written with objective {raw['objective']!r}, this learner uses "
+                f"{self.objective!r} (the critic state cannot be created or dropped on resume)"
+            )
         for name, eng in self.engines.items():
             self._trainable(name)
             path, _ = eng.load_checkpoint(str(folder / "ds"), tag=name, load_module_strict=False)
             if path is None:
                 raise LearnerError(f"checkpoint {folder} has no DeepSpeed state for adapter {name!r}")
         self._trainable(None)
+        if self.critic is not None:
+            path, _ = self.critic.load_checkpoint(str(folder / "ds"), tag=_CRITIC_TAG)
+            if path is None:
+                raise LearnerError(f"checkpoint {folder} has no DeepSpeed state for the critic")
         rng_file = folder / f"rng_rank{rank}.pt"
         if not rng_file.is_file():
             raise LearnerError(f"checkpoint {folder} lacks {rng_file.name}")
@@ -780,6 +1064,28 @@ class LearnerEngine:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
+        versions = {str(k): int(v) for k, v in raw["adapter_versions"].items()}
+        self.next_step = int(raw["next_step"])
+        self.last_version = max(versions.values(), default=-1)
+        self.updates = {a: int(raw["adapter_updates"].get(a, 0)) for a in self.adapters}
+        return EngineState(
+            next_step=self.next_step,
+            adapter_versions=versions,
+            adapter_updates=dict(self.updates),
+            extra=dict(raw.get("extra") or {}),
+        )
+
+
+_CHECKPOINT_FORMAT = 1
+_STATE_FILE = "engine_state.json"
+_CRITIC_TAG = "critic"
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if _world()[1] > 1:
+        dist.barrier()
 
 
 def iter_adapter_params(engine: LearnerEngine) -> Iterator[tuple[str, Tensor]]:
