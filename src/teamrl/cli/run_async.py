@@ -194,13 +194,17 @@ def run_async(args: argparse.Namespace) -> int:
             model = str(build())
         pub = free_port_pair()
         ports = {"data": free_port(), "sample": free_port(), "publish": pub}
+        ports["metrics_buffer"] = free_port()
+        ports["metrics_learner"] = free_port()
+        for i in range(args.rollouts):
+            ports[f"metrics_rollout_{i}"] = free_port()
         t0 = t_begin
         (run_dir / "run.json").write_text(
             json.dumps({"args": vars(args), "ports": ports, "model": model, "t0": t0}, indent=1) + "\n"
         )
         (run_dir / "config.toml").write_text(_toml(resolved_config(args, model)))
     cfg_path = str(run_dir / "config.toml")
-    ep = {k: f"tcp://127.0.0.1:{v}" for k, v in ports.items()}
+    ep = {k: f"tcp://127.0.0.1:{v}" for k, v in ports.items() if not k.startswith("metrics")}
     env = {"TEAMRL_RUN_T0": str(t0), "OMP_NUM_THREADS": str(args.threads_per_service)}
     logs = run_dir / "logs"
     sup = Supervisor()
@@ -270,14 +274,26 @@ def run_async(args: argparse.Namespace) -> int:
         sup.start(
             Service(
                 f"rollout-{i}",
-                ["rollout", "--config", cfg_path, "--buffer", ep["data"], "--weights", ep["publish"], *extra],
+                [
+                    "rollout",
+                    "--config",
+                    cfg_path,
+                    "--buffer",
+                    ep["data"],
+                    "--weights",
+                    ep["publish"],
+                    "--metrics-port",
+                    str(ports.get(f"metrics_rollout_{i}", 0)),
+                    *extra,
+                ],
                 logs / f"rollout-{i}.log",
                 env,
             )
         )
     print(
         f"[teamrl] async run in {run_dir}: buffer, {args.learners} learner rank(s), {args.rollouts} rollout "
-        f"service(s); logs in {logs}",
+        f"service(s); logs in {logs}; Prometheus /metrics on ports "
+        + ", ".join(f"{k[8:]} {v}" for k, v in ports.items() if k.startswith("metrics_")),
         flush=True,
     )
     view = LiveView(args.steps)

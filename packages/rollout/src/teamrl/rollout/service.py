@@ -48,6 +48,8 @@ from teamrl.rollout import metrics as M
 
 log = logging.getLogger("teamrl.rollout")
 
+LATEST_POLL_S = 5.0  # ask the learner's latest endpoint after this long without an announcement
+
 
 class RolloutConfigError(ValueError):
     """The rollout config file or a flag is wrong; the message names the field."""
@@ -293,9 +295,21 @@ class RolloutService:
             if first is not None:
                 sub._accept(first)
                 await self.apply_weights(first)
+            last_heard = time.monotonic()
             while not self.stopping:
                 msg = await asyncio.to_thread(sub.poll, 200)
+                if msg is None and time.monotonic() - last_heard > LATEST_POLL_S:
+                    # PUB is quiet: a restarted learner's first announcements may have been lost
+                    # while the subscription reconnected; ask its latest endpoint directly
+                    last_heard = time.monotonic()
+                    try:
+                        newest = await asyncio.to_thread(sub.latest, 1000)
+                    except PeerTimeout:
+                        newest = None
+                    if newest is not None and newest.version > self.engine.version:
+                        msg = newest
                 if msg is not None:
+                    last_heard = time.monotonic()
                     await self.apply_weights(msg)
                     await self.maybe_evaluate()
         finally:
