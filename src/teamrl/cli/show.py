@@ -130,10 +130,15 @@ class Run:
 
 
 def _finite(v: Any) -> float | None:
+    """``v`` as a plottable float, else None. Beyond +-1e150 counts as not finite: the axis
+    arithmetic (spans, tick steps) would overflow."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    f = float(v)
-    return f if math.isfinite(f) else None
+    try:
+        f = float(v)
+    except OverflowError:  # an int too large for a float
+        return None
+    return f if math.isfinite(f) and abs(f) < 1e150 else None
 
 
 def read_jsonl(path: Path, run: Run) -> list[dict]:
@@ -243,10 +248,15 @@ def load_run(path: Path, sample_files: int = 20) -> Run:
         seen: set[tuple[str, int]] = set()
         for p, step in files:
             try:
-                trajs = decode_trajectories(p.read_bytes())
+                data = p.read_bytes()
             except OSError as e:
                 run.problems.append(f"samples/{p.name}: cannot read ({e.strerror or e})")
                 continue
+            if not data:  # created, not yet written: a live run's newest file
+                run.notes.append(f"samples/{p.name}: empty (still being written?); skipped")
+                continue
+            try:
+                trajs = decode_trajectories(data)
             except ProtocolError as e:
                 run.problems.append(
                     f"samples/{p.name}: not a trajectory batch ({type(e).__name__}: {e}); "
@@ -319,11 +329,9 @@ def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     first = math.ceil(lo / step) * step
-    ticks, t = [], first
-    while t <= hi + step * 1e-9:
-        ticks.append(round(t, 12))
-        t += step
-    return ticks
+    # Indexed, not accumulated: near 1e17 a step can be below one ulp and ``t += step`` never moves.
+    ticks = [first + i * step for i in range(4 * n + 2)]
+    return [0.0 if abs(t) < step * 1e-9 else float(t) for t in ticks if t <= hi + step * 1e-9]
 
 
 @dataclass

@@ -182,6 +182,17 @@ def test_torn_last_line_is_only_a_note(tmp_path, capsys):
     assert "last line is incomplete" in capsys.readouterr().err
 
 
+def test_empty_sample_file_and_extreme_values_are_tolerated(tmp_path, capsys):
+    run = make_run(tmp_path / "run", files=1)
+    (run / "samples" / "step-000099.arrow").write_bytes(b"")
+    with (run / "metrics.jsonl").open("a") as f:
+        for row in ({"step": 90, "reward_mean": 1e308}, {"step": 91, "reward_mean": -1e308}, {"step": "x"}):
+            f.write(json.dumps(row) + "\n")
+        f.write('{"step": 92, "reward_mean": NaN, "grad_norm/solver": -1, "reward/solver": true}\n')
+    assert show.main([str(run)]) == 0
+    assert "step-000099.arrow: empty" in capsys.readouterr().err
+
+
 def test_metrics_only_run(tmp_path, capsys):
     run = make_run(tmp_path / "run")
     shutil.rmtree(run / "samples")
