@@ -584,20 +584,29 @@ def graph_svg(traj: GraphTrajectory, uid: str, colors: dict[str, str]) -> str:
     for i, s in enumerate(steps):
         x0, y0 = pos[i]
         r = _finite(s.reward)
-        tools = f" · tools {len(s.tool_calls)}" if s.tool_calls else ""
+        n_tools = len(s.tool_calls)
+        tools = f", {n_tools} tool call(s)" if n_tools else ""
         tip = (
             f"#{i} {s.agent_id} (role {s.role}) turn {s.turn}, policy v{s.policy_version} "
             f"[{s.adapter or 'base'}], credit {_fmt(r) if r is not None else 'n/a'}, "
             f"finish {s.finish_reason}{tools}\n{_clip(s.response_text, 300)}"
+        )
+        badge = (
+            f'<rect x="{x0 + NODE_W - 38:.1f}" y="{y0 + 4:.1f}" width="34" height="13" rx="3" class="tb"/>'
+            f'<text x="{x0 + NODE_W - 21:.1f}" y="{y0 + 14:.1f}" class="tt" text-anchor="middle">'
+            f"{'tool' if n_tools == 1 else f'{n_tools} tools'}</text>"
+            if n_tools
+            else ""
         )
         out.append(
             f'<a href="#{uid}-s{i}"><g class="node" data-step="{i}" data-agent="{_e(s.agent_id)}">'
             f"<title>{_e(tip)}</title>"
             f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{NODE_W}" height="{NODE_H}" rx="7" '
             f'fill="{_reward_fill(r or 0.0, scale)}" stroke="{colors.get(s.agent_id, "#333")}"/>'
-            f'<text x="{x0 + 7:.1f}" y="{y0 + 15:.1f}" class="nt">#{i} {_e(_clip(s.agent_id, 13))}</text>'
+            f'<text x="{x0 + 7:.1f}" y="{y0 + 15:.1f}" class="nt">#{i} {_e(_clip(s.agent_id, 9 if n_tools else 13))}</text>'
+            f"{badge}"
             f'<text x="{x0 + 7:.1f}" y="{y0 + 30:.1f}" class="ns">v{s.policy_version} · '
-            f"{'r ' + _e(_fmt(r)) if r is not None else 'r n/a'}{_e(tools)}</text>"
+            f"{'credit ' + _e(f'{r:.3g}') if r is not None else 'credit n/a'}</text>"
             f'<text x="{x0 + 7:.1f}" y="{y0 + 44:.1f}" class="nm">{_e(_clip(" ".join(s.response_text.split()), 20))}</text>'
             "</g></a>"
         )
@@ -753,7 +762,7 @@ header .sum{color:#bbb;margin-top:4px}main{padding:8px 22px 40px}h2{font-size:17
 .eh{font-size:14px}.em{font-size:12px;color:#555;overflow-wrap:anywhere}.tag{background:#20252d;color:#fff;border-radius:4px;padding:0 6px;font-size:12px}
 .gw{margin:6px 0}.graph{max-width:100%;height:auto}.graph .node rect{stroke-width:2.5}.graph .node:hover rect{stroke-width:4}
 .graph .nt{font-size:12px;font-weight:600;fill:#111}.graph .ns{font-size:11px;fill:#333}.graph .nm{font-size:10px;fill:#555;font-family:monospace}
-.graph .edge{fill:none;stroke:#555;stroke-width:1.4}.graph .turn{font-size:11px;fill:#777}.graph .lane{font-size:11px;font-weight:600}
+.graph .tb{fill:#20252d}.graph .tt{font-size:9px;fill:#fff}.graph .edge{fill:none;stroke:#555;stroke-width:1.4}.graph .turn{font-size:11px;fill:#777}.graph .lane{font-size:11px;font-weight:600}
 .steps summary{cursor:pointer;color:#333;font-size:12px}.step{border-left:4px solid #999;padding:4px 8px;margin:6px 0;background:#fafbfc}
 .step:target{background:#fff6cc}.sh{font-size:12px}.facts{color:#555}.role{color:#777}
 pre{white-space:pre-wrap;overflow-wrap:anywhere;margin:3px 0;font:12px/1.35 ui-monospace,Menlo,Consolas,"DejaVu Sans Mono",monospace}
