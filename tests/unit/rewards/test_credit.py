@@ -71,6 +71,7 @@ def test_judge_prompt_and_normalised_credits() -> None:
         '{"credits": {"nobody": 1}}',
         '{"credits": {"solver": NaN, "verifier": 1}}',
         '{"credits": {"solver": 1, ',
+        '{"credits": ' + "[" * 100_000,  # nested past the recursion limit
     ],
 )
 def test_judge_unparsable_falls_back_to_equal_split(answer: str) -> None:

@@ -199,7 +199,7 @@ def _json_objects(text: str) -> list[Any]:
             break
         try:
             obj, _ = decoder.raw_decode(text, m.start())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: '{"a": [[[[...' nested past the stack
             continue
         if isinstance(obj, dict):
             found.append(obj)

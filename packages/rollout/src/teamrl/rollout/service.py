@@ -349,7 +349,10 @@ class RolloutService:
         version = min(s.policy_version for t in trajs for s in t.steps)
         if self.samples_dir is not None and version not in self._sampled_versions:
             self._sampled_versions.add(version)
-            (self.samples_dir / f"step-{version:06d}.arrow").write_bytes(encode_trajectories(list(trajs)))
+            out = self.samples_dir / f"step-{version:06d}.arrow"
+            tmp = out.with_suffix(".tmp")
+            tmp.write_bytes(encode_trajectories(list(trajs)))
+            os.replace(tmp, out)  # readers (teamrl show) never see half a file
 
     async def maybe_evaluate(self) -> None:
         if self.eval_file is None or self.cfg.eval_interval == 0:

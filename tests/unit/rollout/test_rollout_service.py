@@ -1,0 +1,223 @@
+"""The rollout service as a real process, with the test playing buffer and learner.
+
+The test binds the data ROUTER (acking frames as a buffer does) and the weights publisher; a
+``teamrl rollout`` child runs the addition-duo workflow on vLLM. Checked: /healthz and /readyz;
+frames are whole groups of valid trajectories; bad announcements (checksum, corrupt payload,
+missing folder, a probe that does not match) are refused with their reason counted on /metrics
+while generation goes on at the old version; a good adapter switches the recorded version; SIGTERM
+drains, exits 0, and every episode the service says it published arrived, none in part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from teamrl.protocol.adapters import write_adapter_payload
+from teamrl.protocol.codec import decode_trajectories
+from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
+from teamrl.protocol.zmq_transport import WeightsPublisher, ZmqDataReceiver, latest_endpoint_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPT = [1, 16, 2, 3, 12, 4, 5, 13]  # <bos>S01+23=
+COMPLETION = [2, 4, 6, 14]  # 024;
+GROUP = 2
+
+
+def free_port(pair: bool = False) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if not pair:
+            return p
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+
+
+def make_adapters(model_dir: Path, out: Path) -> tuple[dict[str, Path], list[float]]:
+    """Two random non-zero LoRA adapters in PEFT format, and the solver's probe log-probs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    peft = get_peft_model(model, lora, adapter_name="solver-lora")
+    peft.add_adapter("verifier-lora", lora)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    peft.save_pretrained(out)  # non-default adapters land in out/<name>/
+    peft.set_adapter("solver-lora")
+    with torch.no_grad():
+        lp = torch.log_softmax(peft(torch.tensor([PROMPT + COMPLETION])).logits[0].float(), -1)
+    expected = [lp[len(PROMPT) - 1 + j, t].item() for j, t in enumerate(COMPLETION)]
+    return {"solver-lora": out / "solver-lora", "verifier-lora": out / "verifier-lora"}, expected
+
+
+def announcement(version: int, location, sha: str, expected: list[float]) -> WeightsPublished:
+    return WeightsPublished(
+        announce_seq=0,
+        version=version,
+        adapters={"solver-lora": "solver-lora", "verifier-lora": "verifier-lora"},
+        location=location,
+        sha256=sha,
+        probe=Probe(prompt_ids=PROMPT, completion_ids=COMPLETION, expected_logprobs=expected, atol=1e-3),
+    )
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    _, text = http_get(port, "/metrics")
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_path: Path) -> None:
+    from teamrl.learner.modelbuild import build
+
+    model = build()
+    folders, expected = make_adapters(model, tmp_path / "adapters")
+    payload = write_adapter_payload(folders)
+    sha = hashlib.sha256(payload).hexdigest()
+
+    data_ep = f"tcp://127.0.0.1:{free_port()}"
+    pub_ep = f"tcp://127.0.0.1:{free_port(pair=True)}"
+    receiver = ZmqDataReceiver(data_ep)
+    publisher = WeightsPublisher(pub_ep, latest_endpoint_for(pub_ep))
+    mport = free_port()
+    log = tmp_path / "rollout.log"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "teamrl.cli.main",
+            "rollout",
+            "--buffer",
+            data_ep,
+            "--weights",
+            pub_ep,
+            "--metrics-port",
+            str(mport),
+            "--set",
+            f"group_size={GROUP}",
+            "--set",
+            "groups_in_flight=4",
+            "--set",
+            "drain_timeout_s=0.0",
+            "--set",
+            f'adapter_dir="{tmp_path / "recv"}"',
+        ],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
+    )
+    frames: list[list] = []
+
+    def pump(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            f = receiver.recv(100)
+            if f is not None:
+                frames.append(decode_trajectories(f.payload))
+                receiver.ack(f)
+
+    def wait(pred, seconds: float, what: str) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            pump(0.5)
+            assert proc.poll() is None, log.read_text()[-4000:]
+        raise AssertionError(f"timed out waiting for {what}\n{log.read_text()[-3000:]}")
+
+    try:
+        wait(lambda: http_get(mport, "/readyz")[0] == 200, 300, "/readyz")
+        assert http_get(mport, "/healthz")[0] == 200
+        wait(lambda: len(frames) >= 3, 60, "first frames")
+
+        bad = [
+            ("checksum", announcement(1, InlineWeights(chunks=[payload]), "0" * 64, expected)),
+            (
+                "corrupt",
+                announcement(
+                    1,
+                    InlineWeights(chunks=[b"not a tar" * 50]),
+                    hashlib.sha256(b"not a tar" * 50).hexdigest(),
+                    expected,
+                ),
+            ),
+            ("missing", announcement(1, UriWeights(uri=str(tmp_path / "nowhere")), sha, expected)),
+            (
+                "probe_failed",
+                announcement(1, InlineWeights(chunks=[payload]), sha, [e - 1.0 for e in expected]),
+            ),
+        ]
+        for reason, msg in bad:
+            publisher.publish(msg)
+            wait(
+                lambda r=reason: (
+                    metric(mport, "teamrl_rollout_adapter_load_failures_total", f'{{reason="{r}"}}') >= 1
+                ),
+                60,
+                f"refusal {reason}",
+            )
+        n_before = len(frames)
+        wait(lambda: len(frames) > n_before + 2, 60, "generation after the refusals")
+        assert all(s.policy_version == 0 for fr in frames for t in fr for s in t.steps)
+
+        publisher.publish(announcement(1, InlineWeights(chunks=[payload]), sha, expected))
+        wait(
+            lambda: any(s.policy_version == 1 for t in frames[-1] for s in t.steps),
+            120,
+            "frames sampled at v1",
+        )
+        assert metric(mport, "teamrl_rollout_policy_version", '{agent="solver-lora"}') == 1
+
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            pump(0.2)
+        pump(1.0)
+        assert proc.returncode == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        publisher.close()
+        receiver.close()
+    text = log.read_text()
+    m = re.search(r"rollout stopped: (\d+) groups, (\d+) episodes published; 0 frames un-acknowledged", text)
+    assert m, text[-3000:]
+    assert int(m.group(2)) == sum(len(fr) for fr in frames), "an episode was lost or duplicated"
+    for fr in frames:  # whole groups only, each episode a valid solver -> verifier graph
+        assert len(fr) == GROUP and len({t.group_id for t in fr}) == 1
+        for t in fr:
+            assert [s.agent_id for s in t.steps] == ["solver", "verifier"]
+            assert list(t.steps[1].parents) == [0]
+            assert len(t.steps[0].response_ids) == len(t.steps[0].logprobs) > 0
