@@ -1,0 +1,147 @@
+"""Tokenizers for building agent prompts: text in, the exact token ids the engine is given out.
+
+Design decisions:
+
+* **One small protocol** (:class:`Tokenizer`): ``encode``, ``decode``, ``chat`` (``None`` when the
+  tokenizer has no chat template), ``eos_token_id``. The episode executor calls nothing else, so a
+  test or a new model family needs only these four.
+* **Ids are built once and kept.** A prompt is encoded once; a tool result is encoded on its own
+  (``add_special=False``) and appended to the ids the model already saw; nothing is re-tokenised
+  between agents or tool rounds, so the ids recorded in a step are exactly what was sampled from.
+* **Three implementations.** :class:`CharTokenizer` is the embedded model's character vocabulary
+  (``teamrl.cli.run.encode``: BOS then one id per character; its ``tokenizer.json`` does *not* add
+  the BOS, so the embedded folder is always read with this class). :class:`HFTokenizer` wraps a
+  HuggingFace tokenizer folder through ``transformers.AutoTokenizer`` (imported on first use) and
+  renders prompts with ``apply_chat_template`` when the folder has a template.
+  :class:`ByteTokenizer` (UTF-8 bytes + BOS/EOS) is a real, dependency-free tokenizer for any text;
+  the text workflows use it in tests where the embedded vocabulary cannot spell their prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+class TokenizerError(ValueError):
+    """Text the tokenizer cannot encode, or a tokenizer folder that cannot be read."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the episode executor needs from a tokenizer.
+
+    Call sequence::
+
+        ids = tok.chat([{"role": "system", "content": p}, {"role": "user", "content": u}])
+        if ids is None:                      # no chat template: plain text
+            ids = tok.encode(p + u)
+        more = tok.encode(tool_result, add_special=False)
+        tok.decode(response_ids)
+    """
+
+    eos_token_id: int | None
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int] | None: ...
+
+
+class CharTokenizer:
+    """The embedded model's vocabulary: ``<pad>``=0, ``<bos>``=1, then one id per character."""
+
+    def __init__(self, chars: str = "0123456789+=;?SVR", bos: int = 1, eos_char: str = ";") -> None:
+        self.chars = list(chars)
+        self.bos = bos
+        self._index = {c: i + 2 for i, c in enumerate(self.chars)}
+        self.eos_token_id: int | None = self._index.get(eos_char)
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        bad = sorted({c for c in text if c not in self._index})
+        if bad:
+            raise TokenizerError(
+                f"characters {bad!r} are not in the char vocabulary {''.join(self.chars)!r} (text {text!r:.80})"
+            )
+        ids = [self._index[c] for c in text]
+        return [self.bos, *ids] if add_special else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        n = len(self.chars)
+        return "".join(self.chars[i - 2] for i in ids if 2 <= i < 2 + n)
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
+        return None
+
+
+class ByteTokenizer:
+    """UTF-8 bytes: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, byte ``b`` = ``b + 3`` (vocabulary 259)."""
+
+    vocab_size = 259
+
+    def __init__(self) -> None:
+        self.bos = 1
+        self.eos_token_id: int | None = 2
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return [self.bos, *ids] if add_special else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", "replace")
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
+        return None
+
+
+class HFTokenizer:
+    """A HuggingFace tokenizer folder (``tokenizer.json`` / ``tokenizer_config.json``).
+
+    ``chat`` uses the folder's chat template with ``add_generation_prompt=True`` and returns
+    ``None`` when there is none (``use_chat_template=False`` forces plain text).
+    """
+
+    def __init__(self, folder: str | Path, use_chat_template: bool = True) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # the rollout image always has it (vLLM depends on it)
+            raise TokenizerError(f"HFTokenizer needs transformers: {e}") from e
+        try:
+            self._tok: Any = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as e:
+            raise TokenizerError(f"cannot read a tokenizer from {folder}: {e}") from e
+        self.folder = str(folder)
+        self.use_chat_template = use_chat_template
+        self.eos_token_id: int | None = self._tok.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
+        if not (self.use_chat_template and self.has_chat_template):
+            return None
+        out = self._tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+
+def tokenizer_for(folder: str | Path, use_chat_template: bool = True) -> Tokenizer:
+    """The tokenizer of a model folder: the char vocabulary for a teamrl embedded model, else HF."""
+    folder = Path(folder)
+    marker = folder / "teamrl_model.json"
+    if marker.is_file():
+        meta = json.loads(marker.read_text())
+        if str(meta.get("task", "")).endswith("addition"):
+            return CharTokenizer()
+    return HFTokenizer(folder, use_chat_template=use_chat_template)

