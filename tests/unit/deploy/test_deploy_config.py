@@ -27,12 +27,15 @@ PORT_NAMES = {
     "rollout": {"metrics": "rollout_metrics"},
     "learner": {
         "publish": "learner_publish",
+        "latest": "learner_latest",
         "rendezvous": "learner_rendezvous",
         "metrics": "learner_metrics",
     },
 }
 # Flags whose value is an endpoint the service binds (port must match) or dials ([endpoints]).
 BIND_FLAGS = {"--bind": "buffer_ingest", "--sample-bind": "buffer_sample", "--publish": "learner_publish"}
+# Ports a service binds without a flag of their own (derived from another flag's port).
+DERIVED_BINDS = {"--publish": "learner_latest"}
 DIAL_FLAGS = {
     ("rollout", "--buffer"): "buffer_ingest",
     ("rollout", "--weights"): "learner_publish",
@@ -76,10 +79,19 @@ def test_ports_are_distinct_valid_integers(shipped_config: Doc) -> None:
 
 def test_endpoints_agree_with_ports(shipped_config: Doc) -> None:
     ports, ends = shipped_config["ports"], shipped_config["endpoints"]
-    for key in ("buffer_ingest", "buffer_sample", "learner_publish"):
+    for key in ("buffer_ingest", "buffer_sample", "learner_publish", "learner_latest"):
         assert _port_of(ends[key]) == ports[key], key
     # Rollouts dial rank 0 of the learner StatefulSet through its headless Service.
     assert urlsplit(ends["learner_publish"]).hostname == ends["learner_master"]
+
+
+def test_latest_port_is_the_one_the_code_derives(shipped_config: Doc) -> None:
+    """One flag names both weights sockets: the "latest" RPC is always the PUB port + 1."""
+    from teamrl.protocol.zmq_transport import latest_endpoint_for
+
+    ends = shipped_config["endpoints"]
+    assert latest_endpoint_for(ends["learner_publish"]) == ends["learner_latest"]
+    assert shipped_config["ports"]["learner_latest"] == shipped_config["ports"]["learner_publish"] + 1
 
 
 def test_buffer_section_is_accepted_by_the_buffer(shipped_config: Doc) -> None:
@@ -98,6 +110,43 @@ def test_learner_section_is_accepted_by_the_learner() -> None:
     mod = pytest.importorskip("teamrl.learner.config")
     cfg = mod.load_learner_config(CONFIG_FILE)
     assert cfg.adapters
+
+
+def test_rollout_section_is_accepted_by_the_rollout(shipped_config: Doc) -> None:
+    mod = pytest.importorskip("teamrl.rollout.service")
+    cfg = mod.load_config(str(CONFIG_FILE), [])
+    assert cfg.model_dump(include=set(shipped_config["rollout"])) == shipped_config["rollout"]
+    # Deployment pods take their replica index from POD_NAME, not from the shared file.
+    assert cfg.replica == -1
+
+
+def test_sections_agree_on_groups_and_drain(shipped_config: Doc, overlay_docs: dict[str, list[Doc]]) -> None:
+    """Values that must match across services (each service reads only its own table)."""
+    from teamrl.learner.buffer_config import load_buffer_config
+    from teamrl.learner.config import load_learner_config
+    from teamrl.rollout.service import load_config
+
+    buf, lrn = load_buffer_config(CONFIG_FILE), load_learner_config(CONFIG_FILE)
+    rol = load_config(str(CONFIG_FILE), [])
+    # The buffer releases a group only when group_size episodes of it arrived; rollouts send
+    # whole groups of their group_size. A mismatch holds groups forever or splits them.
+    assert buf.group_size == rol.group_size
+    assert lrn.batch_size % rol.group_size == 0
+    assert buf.min_size >= lrn.batch_size
+    assert rol.max_lora_rank >= lrn.lora.rank
+    for name, docs in overlay_docs.items():
+        grace = _workloads(docs)["rollout"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert rol.drain_timeout_s + rol.flush_timeout_s < grace, name
+
+
+def test_metrics_servers_listen_on_the_pod_ip(overlay_docs: dict[str, list[Doc]]) -> None:
+    """Probes and Prometheus dial the pod IP: a metrics server bound to loopback fails them all."""
+    for name, docs in overlay_docs.items():
+        for wname, w in _workloads(docs).items():
+            flags = _flags(_container(w)["args"])
+            if wname == "buffer":
+                continue  # [buffer] metrics_host, checked in test_buffer_section_is_accepted_by_the_buffer
+            assert flags.get("--metrics-host") == "0.0.0.0", f"{name}: {wname}"
 
 
 # --- the manifests use exactly those ports ----------------------------------------------------
@@ -139,6 +188,11 @@ def test_flags_use_config_ports_and_endpoints(
             for flag, key in BIND_FLAGS.items():
                 if flag in flags and (wname, flag) not in DIAL_FLAGS:
                     assert _port_of(flags[flag]) == ports[key], f"{name}: {wname} {flag}"
+                    if flag in DERIVED_BINDS:
+                        from teamrl.protocol.zmq_transport import latest_endpoint_for
+
+                        derived = _port_of(latest_endpoint_for(flags[flag]))
+                        assert derived == ports[DERIVED_BINDS[flag]], f"{name}: {wname} {flag}"
             for (svc, flag), key in DIAL_FLAGS.items():
                 if svc == wname:
                     assert flags[flag] == ends[key], f"{name}: {wname} {flag}"
