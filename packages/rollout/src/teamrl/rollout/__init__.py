@@ -1,5 +1,53 @@
 """teamrl.rollout: Flex-MG multi-agent episodes on vLLM with per-agent LoRA adapters.
 
-``workflow.py`` defines agents, the dependency function D and agent-to-model mappings (pure Python);
-``engine.py`` wraps vLLM's async engine; ``service.py`` is the rollout process.
+``workflow.py`` defines agents, the dependency function D and agent-to-model mappings and runs
+episodes (``run_episode``; pure Python, no vLLM import); ``workflows/`` holds the built-in workflows
+(``teamrl.rollout.workflows.load(name)``) and their task data; ``tools.py`` the Python and BM25 tools;
+``tokenizer.py`` prompt tokenizers; ``engine.py`` wraps vLLM's async engine; ``service.py`` is the
+rollout process.
 """
+
+from teamrl.rollout.tokenizer import (
+    ByteTokenizer,
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    TokenizerError,
+    tokenizer_for,
+)
+from teamrl.rollout.tools import BM25Index, Document, PythonTool, SearchTool, Tool, parse_tool_call
+from teamrl.rollout.workflow import (
+    ActView,
+    AgentSpec,
+    EpisodeRewards,
+    GraphSpec,
+    RouteState,
+    Workflow,
+    WorkflowError,
+    load_workflow,
+    run_episode,
+)
+
+__all__ = [
+    "ActView",
+    "AgentSpec",
+    "BM25Index",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "Document",
+    "EpisodeRewards",
+    "GraphSpec",
+    "HFTokenizer",
+    "PythonTool",
+    "RouteState",
+    "SearchTool",
+    "Tokenizer",
+    "TokenizerError",
+    "Tool",
+    "Workflow",
+    "WorkflowError",
+    "load_workflow",
+    "parse_tool_call",
+    "run_episode",
+    "tokenizer_for",
+]
