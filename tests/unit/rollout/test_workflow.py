@@ -556,6 +556,18 @@ def test_hf_tokenizer_uses_the_chat_template_when_the_folder_has_one(tmp_path: P
     assert traj.steps[2].prompt_ids.tolist() == ctok.encode("07+453")  # chat = false: plain text
 
 
+def test_tokenizer_for_picks_the_char_vocabulary_for_the_embedded_model(tmp_path: Path) -> None:
+    from teamrl.rollout.tokenizer import tokenizer_for
+
+    (tmp_path / "teamrl_model.json").write_text(json.dumps({"task": "teamrl.rewards.addition"}))
+    assert isinstance(tokenizer_for(tmp_path), CharTokenizer)
+
+
+def test_equality_ignores_built_caches() -> None:
+    a, b = load("addition-duo"), load("addition-duo")
+    assert a.reward_fn() is a.reward_fn() and a == b
+
+
 def test_reward_levels_are_filled_and_finite() -> None:
     traj = episode(
         load("addition-duo"), Scripted({"solver-lora": ["52;"], "verifier-lora": ["1;"]}), tok=CHAR

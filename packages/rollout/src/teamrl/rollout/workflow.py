@@ -205,8 +205,13 @@ class Workflow(_Strict):
     reward: RewardSpec | None = None
     tasks: TaskSource = Field(default_factory=TaskSource)
 
-    _reward_fn: Any = PrivateAttr(None)
+    _reward_fn: Any = PrivateAttr(None)  # built on first use, then shared by every episode
     _tools: Any = PrivateAttr(None)
+
+    def __eq__(self, other: object) -> bool:  # the definition, not the caches built from it
+        return isinstance(other, Workflow) and self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]
 
     @model_validator(mode="after")
     def _check(self) -> Workflow:
@@ -721,8 +726,7 @@ class OutcomeReward:
                 scores.append(1.0 if verdict is not None and verdict == ok else 0.0)
             else:
                 scores.append(final)
-        res = _outcome(acts, scores, self.answer_role)
-        return res
+        return _outcome(acts, scores, self.answer_role)
 
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
