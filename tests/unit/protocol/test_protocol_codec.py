@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from protocol_strategies import assert_same, trajectories
 
 from teamrl.protocol import (
+    AgentStep,
     DecodeError,
     FrameTooLarge,
     ProtocolError,
@@ -22,7 +24,7 @@ from teamrl.protocol import (
     example_trajectories,
 )
 from teamrl.protocol import schema as S
-from teamrl.protocol.codec import to_record_batch
+from teamrl.protocol.codec import decode_record_batches, to_record_batch
 from teamrl.protocol.metrics import rejected_count
 
 
@@ -125,13 +127,58 @@ def _unknown_finish(col: pa.Array) -> pa.Array:
         ("finish_reason", _unknown_finish, SchemaMismatch, "finish_reason"),
     ],
 )
-def test_field_checks_reject_with_reason(step_field, fn, error, needle):
+@pytest.mark.parametrize("decode", [decode_trajectories, decode_record_batches])
+def test_field_checks_reject_with_reason(step_field, fn, error, needle, decode):
     batch = to_record_batch(example_trajectories(3, seed=5))
     frame = _mutate_column(batch, step_field, fn)
     before = rejected_count(error.reason)
     with pytest.raises(error, match=needle):
-        decode_trajectories(frame)
+        decode(frame)
     assert rejected_count(error.reason) == before + 1
+
+
+def test_decode_record_batches_returns_the_validated_batch_zero_copy():
+    trajs = example_trajectories(5, seed=2)
+    frame = encode_trajectories(trajs)
+    (batch,) = decode_record_batches(frame)
+    assert batch.equals(to_record_batch(trajs))
+    ids = batch.column("steps").values.field("prompt_ids").values.to_numpy()
+    base = np.frombuffer(frame, dtype=np.uint8).ctypes.data
+    assert base <= ids.ctypes.data < base + len(frame)
+
+
+def test_rejects_duplicate_metadata_keys():
+    batch = to_record_batch(example_trajectories(2, seed=0))
+    meta = pa.MapArray.from_arrays(
+        pa.array([0, 2, 3], pa.int32()),
+        pa.array(["split", "split", "x"]),
+        pa.array(["a", "b", "c"]),
+        type=S.TRAJECTORY_SCHEMA.field("metadata").type,
+    )
+    cols = [meta if n == "metadata" else batch.column(n) for n in batch.schema.names]
+    frame = _batch_bytes(pa.RecordBatch.from_arrays(cols, schema=S.TRAJECTORY_SCHEMA))
+    for decode in (decode_trajectories, decode_record_batches):
+        with pytest.raises(SchemaMismatch, match="trajectory 0: duplicate metadata key 'split'"):
+            decode(frame)
+
+
+def test_encode_casts_lists_and_wider_dtypes_like_astype():
+    t = example_trajectories(1, seed=0)[0]
+    t.steps[0].prompt_ids = [5, 6, 7]
+    t.steps[0].parents = []
+    t.steps[1].response_ids = t.steps[1].response_ids.astype(np.int64)
+    t.steps[1].logprobs = t.steps[1].logprobs.astype(np.float64)
+    t.turn_rewards = [0.5, 1.0]
+    (out,) = decode_trajectories(encode_trajectories([t]))
+    assert out.steps[0].prompt_ids.dtype == np.int32 and out.steps[0].prompt_ids.tolist() == [5, 6, 7]
+    assert out.steps[1].response_ids.dtype == np.int32 and out.steps[1].logprobs.dtype == np.float32
+    np.testing.assert_array_equal(out.turn_rewards, np.float32([0.5, 1.0]))
+    assert decode_trajectories(encode_trajectories([])) == []
+
+
+def test_agent_step_fields_follow_step_type_order():
+    # decode builds AgentStep positionally from the STEP_TYPE columns
+    assert [f.name for f in dataclasses.fields(AgentStep)] == S.STEP_TYPE.names
 
 
 def test_rejects_other_schema_version_and_shape():
