@@ -1,27 +1,49 @@
 """Transport benchmark: realistic trajectory batches end to end over ZeroMQ tcp loopback.
 
-Three paths move the same batches (~256 agent steps x ~1,024 tokens each) in the same run:
+Three paths move the same batches (~256 agent steps x ~1,024 tokens each) in the same run, with
+the same arrangement: a sender *process* (in deployment, a rollout service) whose DEALER connects
+to a ROUTER bound in this process (the replay buffer), each side with its own zmq context, the
+same message count and high-water marks. The sender rebuilds the batches from the same seeds and
+proves they are the same by a digest of their Arrow encoding. One warm-up message per trial
+establishes the connection before the clock starts; the clock runs from "go" to the last message
+received *and processed* here.
 
-* raw:    pre-encoded Arrow bytes, DEALER -> ROUTER, copy=False: the ceiling for these bytes;
+* raw:    the Arrow payloads, encoded before the clock, DEALER -> ROUTER, copy=False; the
+          receiver only receives: the ceiling for these bytes;
 * codec:  encode_trajectories_buffer -> ZmqDataSender (credit window, acks) -> ZmqDataReceiver ->
           decode_trajectories (full validation + field checks) -> ack;
-* pickle: pickle.dumps(protocol 5) -> raw DEALER -> ROUTER -> pickle.loads (no validation at all).
+* pickle: pickle.dumps(protocol 5) -> DEALER -> ROUTER -> pickle.loads (no validation at all);
+* frames: (diagnostic, not in the ratio) the pre-encoded payloads through ZmqDataSender ->
+          ZmqDataReceiver -> ack, no encode or decode: what the transport itself costs.
 
-Prints MB/s (of Arrow payload bytes), trajectories/s and the ratio codec / raw. The last line is
-exactly ``transport_ratio=<float>``. A script, not a test: nothing here asserts a timing.
+``--threads`` runs the sender as a thread of this process instead; encode and decode then share
+one GIL, which the services never do. Trials interleave the three paths; the median time of each
+is reported (this machine is shared, single runs are noisy). Prints MB/s (of Arrow payload bytes),
+trajectories/s and the ratio codec / raw. The last line is exactly ``transport_ratio=<float>``.
+A script, not a test: nothing here asserts a timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import multiprocessing
 import pickle
+import statistics
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import zmq
 
 from teamrl.protocol import decode_trajectories, encode_trajectories_buffer, example_trajectories
+from teamrl.protocol.codec import decode_record_batches
 from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
+
+HWM = 64
+WINDOW = 16
+PATHS = ("raw", "codec", "pickle", "frames")
 
 
 def make_batches(n_batches: int, steps_per_batch: int, tokens: int) -> list[list]:
@@ -38,90 +60,120 @@ def make_batches(n_batches: int, steps_per_batch: int, tokens: int) -> list[list
     return batches
 
 
-def raw_zmq(payloads: list, rounds: int) -> float:
-    """Seconds to push every payload ``rounds`` times through DEALER -> ROUTER and receive it."""
+def digest(payloads: list) -> str:
+    h = hashlib.sha256()
+    for p in payloads:
+        h.update(memoryview(p))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# sender side (a spawned process, or a thread with --threads)
+
+
+def _send_plain(conn: Connection, endpoint: str, items: list, rounds: int, make: Callable) -> None:
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, HWM)
+    dealer.connect(endpoint)
+    dealer.send(b"warm-up")
+    conn.recv()  # go
+    for _ in range(rounds):
+        for item in items:
+            dealer.send(make(item), copy=False)
+    conn.recv()  # the receiver has everything: closing cannot drop a message now
+    dealer.close(0)
+    ctx.term()
+    conn.send("closed")
+
+
+def _send_codec(conn: Connection, endpoint: str, items: list, rounds: int, make: Callable) -> None:
+    sender = ZmqDataSender(endpoint, "bench", window=WINDOW, ack_timeout_s=60)
+    sender.send(encode_trajectories_buffer([]))  # warm-up
+    sender.flush(60)
+    conn.recv()  # go
+    for _ in range(rounds):
+        for item in items:
+            sender.send(make(item))
+    if not sender.flush(60):
+        raise RuntimeError(f"codec sender: {sender.unacked} frames never acked")
+    conn.recv()
+    sender.close()
+    conn.send("closed")
+
+
+def sender_main(conn: Connection, n_batches: int, steps: int, tokens: int) -> None:
+    """Build the batches, report their digest, then serve ``(path, endpoint, rounds)`` commands."""
+    batches = make_batches(n_batches, steps, tokens)
+    payloads = [encode_trajectories_buffer(b) for b in batches]
+    conn.send(digest(payloads))
+    while (cmd := conn.recv()) is not None:
+        path, endpoint, rounds = cmd
+        if path == "raw":
+            _send_plain(conn, endpoint, payloads, rounds, lambda p: p)
+        elif path == "pickle":
+            _send_plain(conn, endpoint, batches, rounds, lambda b: pickle.dumps(b, protocol=5))
+        elif path == "frames":
+            _send_codec(conn, endpoint, payloads, rounds, lambda p: p)
+        else:
+            _send_codec(conn, endpoint, batches, rounds, encode_trajectories_buffer)
+
+
+# --------------------------------------------------------------------------------------------
+# receiver side (this process); each returns the seconds from "go" to the last message processed
+
+
+def _recv_plain(conn: Connection, path: str, total: int, rounds: int, process: Callable) -> float:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.RCVHWM, 64)
+    router.setsockopt(zmq.RCVHWM, HWM)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.SNDHWM, 64)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    total = len(payloads) * rounds
-
-    def send() -> None:
-        for _ in range(rounds):
-            for p in payloads:
-                dealer.send(p, copy=False)
-
-    dealer.send(b"warm-up")
-    router.recv_multipart()
+    conn.send((path, f"tcp://127.0.0.1:{port}", rounds))
+    router.recv_multipart()  # warm-up
+    conn.send("go")
     t0 = time.perf_counter()
-    th = threading.Thread(target=send)
-    th.start()
     for _ in range(total):
-        router.recv_multipart(copy=False)
+        process(router.recv_multipart(copy=False)[1])
     dt = time.perf_counter() - t0
-    th.join()
-    dealer.close(0)
+    conn.send("done")
+    conn.recv()
     router.close(0)
     ctx.term()
     return dt
 
 
-def codec_path(batches: list, rounds: int) -> float:
-    recv = ZmqDataReceiver("tcp://127.0.0.1:0", hwm=64)
-    total = len(batches) * rounds
+def _recv_codec(conn: Connection, path: str, total: int, rounds: int, process: Callable) -> float:
+    recv = ZmqDataReceiver("tcp://127.0.0.1:0", hwm=HWM)
+    conn.send((path, recv.endpoint, rounds))
 
-    def send() -> None:
-        sender = ZmqDataSender(recv.endpoint, "bench", window=16, ack_timeout_s=30)
-        for _ in range(rounds):
-            for b in batches:
-                sender.send(encode_trajectories_buffer(b))
-        sender.flush(60)
-        sender.close()
-
-    t0 = time.perf_counter()
-    th = threading.Thread(target=send)
-    th.start()
-    n = 0
-    while n < total:
-        frame = recv.recv(10_000)
+    def one() -> None:
+        frame = recv.recv(30_000)
         if frame is None:
-            raise RuntimeError("codec path stalled")
-        decode_trajectories(frame.payload)
+            raise RuntimeError(f"{path} path stalled")
+        process(frame.payload)
         recv.ack(frame)
-        n += 1
+
+    one()  # warm-up
+    conn.send("go")
+    t0 = time.perf_counter()
+    for _ in range(total):
+        one()
     dt = time.perf_counter() - t0
-    th.join()
+    conn.send("done")
+    conn.recv()
     recv.close()
     return dt
 
 
-def pickle_path(batches: list, rounds: int) -> float:
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    total = len(batches) * rounds
-
-    def send() -> None:
-        for _ in range(rounds):
-            for b in batches:
-                dealer.send(pickle.dumps(b, protocol=5), copy=False)
-
-    t0 = time.perf_counter()
-    th = threading.Thread(target=send)
-    th.start()
-    for _ in range(total):
-        pickle.loads(router.recv_multipart(copy=False)[1].buffer)
-    dt = time.perf_counter() - t0
-    th.join()
-    dealer.close(0)
-    router.close(0)
-    ctx.term()
-    return dt
+def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> float:
+    total = n_batches * rounds
+    if path == "codec":
+        return _recv_codec(conn, "codec", total, rounds, decode_trajectories)
+    if path == "frames":
+        return _recv_codec(conn, "frames", total, rounds, lambda payload: None)
+    if path == "raw":
+        return _recv_plain(conn, "raw", total, rounds, lambda frame: None)
+    return _recv_plain(conn, "pickle", total, rounds, lambda frame: pickle.loads(frame.buffer))
 
 
 def main() -> None:
@@ -129,8 +181,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small run (< 30 s)")
     ap.add_argument("--steps", type=int, default=256, help="agent steps per batch")
     ap.add_argument("--tokens", type=int, default=1024, help="mean tokens per step")
+    ap.add_argument("--trials", type=int, default=None, help="interleaved trials per path (median reported)")
+    ap.add_argument("--threads", action="store_true", help="sender as a thread of this process (one GIL)")
     args = ap.parse_args()
-    n_batches, rounds = (8, 3) if args.quick else (16, 10)
+    n_batches, rounds, trials = (8, 4, 5) if args.quick else (16, 10, 7)
+    trials = args.trials or trials
 
     batches = make_batches(n_batches, args.steps, args.tokens)
     payloads = [encode_trajectories_buffer(b) for b in batches]
@@ -138,31 +193,63 @@ def main() -> None:
     n_traj = sum(len(b) for b in batches) * rounds
     n_steps = sum(len(t.steps) for b in batches for t in b) / n_batches
     print(
-        f"{n_batches} batches x {rounds} rounds; {n_steps:.0f} steps/batch, {n_bytes / n_batches / rounds / 1e6:.2f} MB/batch"
+        f"{n_batches} batches x {rounds} rounds x {trials} trials; {n_steps:.0f} steps/batch, "
+        f"{n_bytes / n_batches / rounds / 1e6:.2f} MB/batch; sender in a {'thread' if args.threads else 'process'}"
     )
 
-    t0 = time.perf_counter()
-    for b in batches:
-        encode_trajectories_buffer(b)
-    t_enc = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for p in payloads:
-        decode_trajectories(p)
-    t_dec = time.perf_counter() - t0
+    # Where the codec path's time goes, one thread, no transport: median of the trials.
     single = n_bytes / rounds
+    stages: dict[str, list[float]] = {"encode": [], "validate only": [], "decode+validate": []}
+    for _ in range(trials):
+        for name, fn, items in (
+            ("encode", encode_trajectories_buffer, batches),
+            ("validate only", decode_record_batches, payloads),
+            ("decode+validate", decode_trajectories, payloads),
+        ):
+            t0 = time.perf_counter()
+            for item in items:
+                fn(item)
+            stages[name].append(time.perf_counter() - t0)
     print(
-        f"encode alone: {single / t_enc / 1e6:8.0f} MB/s   decode+validate alone: {single / t_dec / 1e6:8.0f} MB/s"
+        "alone:  "
+        + "   ".join(
+            f"{name} {single / statistics.median(ts) / 1e6:.0f} MB/s "
+            f"({statistics.median(ts) / n_batches * 1e3:.2f} ms/batch)"
+            for name, ts in stages.items()
+        )
     )
 
-    results = {
-        "raw zmq": raw_zmq(payloads, rounds),
-        "codec": codec_path(batches, rounds),
-        "pickle": pickle_path(batches, rounds),
-    }
-    for name, dt in results.items():
-        print(f"{name:>8}: {n_bytes / dt / 1e6:8.0f} MB/s  {n_traj / dt:10.0f} trajectories/s  ({dt:.2f} s)")
-    ratio = results["raw zmq"] / results["codec"]
-    print(f"codec/raw = {ratio:.3f}   pickle/raw = {results['raw zmq'] / results['pickle']:.3f}")
+    here, there = multiprocessing.Pipe()
+    sender_args = (there, n_batches, args.steps, args.tokens)
+    if args.threads:
+        sender = threading.Thread(target=sender_main, args=sender_args, daemon=True)
+    else:
+        sender = multiprocessing.get_context("spawn").Process(
+            target=sender_main, args=sender_args, daemon=True
+        )
+    sender.start()
+    if here.recv() != digest(payloads):
+        raise RuntimeError("the sender built different batches")
+
+    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    for _ in range(trials):
+        for path in PATHS:
+            times[path].append(run_path(here, path, n_batches, rounds))
+    here.send(None)
+    sender.join(30)
+
+    med = {p: statistics.median(ts) for p, ts in times.items()}
+    for p in PATHS:
+        print(
+            f"{p:>8}: {n_bytes / med[p] / 1e6:8.0f} MB/s  {n_traj / med[p]:10.0f} trajectories/s  "
+            f"(median {med[p]:.3f} s, min {min(times[p]):.3f}, max {max(times[p]):.3f})"
+        )
+    per_trial = sorted(r / c for r, c in zip(times["raw"], times["codec"], strict=True))
+    ratio = med["raw"] / med["codec"]
+    print(
+        f"codec/raw = {ratio:.3f} (per trial {per_trial[0]:.3f}..{per_trial[-1]:.3f})   "
+        f"pickle/raw = {med['raw'] / med['pickle']:.3f}"
+    )
     print(f"transport_ratio={ratio:.4f}")
 
 
