@@ -11,7 +11,7 @@ exactly as across a cluster::
 This process only watches: it reads ``RUN/metrics.jsonl`` (learner rank 0), ``RUN/eval.jsonl``
 (rollout replica 0, every ``eval_interval`` versions) and ``RUN/buffer/stats.jsonl``, and shows them
 live. When the learner has made ``steps`` updates it waits for the last held-out evaluation, then
-stops everything in order (rollouts drain first, then the learner, then the buffer). Ctrl-C or
+stops everything in order (the learner checkpoints first, then rollouts drain into the still-running buffer, then the buffer). Ctrl-C or
 SIGTERM does the same at once. ``--resume RUN`` starts the same services on the same folder: the
 buffer reloads its last checkpoint, the learner its last complete checkpoint, and the run goes on.
 """
@@ -31,7 +31,7 @@ from typing import Any
 from teamrl.cli.plots import read_jsonl
 from teamrl.cli.supervisor import Service, Supervisor
 
-STOP_ORDER = ["rollout", "learner", "buffer"]
+STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
 
 
 def free_port_pair() -> int:
@@ -182,7 +182,6 @@ def run_async(args: argparse.Namespace) -> int:
         for k, v in saved["args"].items():
             if k not in keep:
                 setattr(args, k, v)
-        ports = saved["ports"]
         model = saved["model"]
         t0 = saved["t0"]
     else:
@@ -192,17 +191,17 @@ def run_async(args: argparse.Namespace) -> int:
             from teamrl.learner.modelbuild import build
 
             model = str(build())
-        pub = free_port_pair()
-        ports = {"data": free_port(), "sample": free_port(), "publish": pub}
-        ports["metrics_buffer"] = free_port()
-        ports["metrics_learner"] = free_port()
-        for i in range(args.rollouts):
-            ports[f"metrics_rollout_{i}"] = free_port()
         t0 = t_begin
         (run_dir / "run.json").write_text(
-            json.dumps({"args": vars(args), "ports": ports, "model": model, "t0": t0}, indent=1) + "\n"
+            json.dumps({"args": vars(args), "model": model, "t0": t0}, indent=1) + "\n"
         )
         (run_dir / "config.toml").write_text(_toml(resolved_config(args, model)))
+    # Fresh loopback ports every start: state lives in the run folder, not in the wiring.
+    ports = {"data": free_port(), "sample": free_port(), "publish": free_port_pair()}
+    ports["metrics_buffer"] = free_port()
+    ports["metrics_learner"] = free_port()
+    for i in range(args.rollouts):
+        ports[f"metrics_rollout_{i}"] = free_port()
     cfg_path = str(run_dir / "config.toml")
     ep = {k: f"tcp://127.0.0.1:{v}" for k, v in ports.items() if not k.startswith("metrics")}
     env = {"TEAMRL_RUN_T0": str(t0), "OMP_NUM_THREADS": str(args.threads_per_service)}
