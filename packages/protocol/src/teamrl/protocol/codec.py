@@ -351,9 +351,12 @@ def _check_fields(c: _Columns) -> None:
     for name in ("prompt_ids", "response_ids"):
         _check_nonneg(c.numpy(c.values[name]), f"steps.{name}")
     logp = c.numpy(c.values["logprobs"])
-    _check_finite(logp, "steps.logprobs")
-    if logp.size and logp.max() > 1e-3:  # a probability above 1: a bug or a forged frame
-        raise SchemaMismatch(f"steps.logprobs holds {logp.max()} > 0; log-probs must be <= 0")
+    if logp.size:  # one min and one max serve both checks
+        lo, hi = logp.min(), logp.max()
+        if not (-np.inf < lo and hi < np.inf):
+            raise SchemaMismatch("steps.logprobs holds NaN or infinite values")
+        if hi > 1e-3:  # a probability above 1: a bug or a forged frame
+            raise SchemaMismatch(f"steps.logprobs holds {hi} > 0; log-probs must be <= 0")
     _check_finite(c.numpy(c.step["reward"]), "steps.reward")
     _check_finite(c.numpy(c.top["reward"]), "reward")
     _check_finite(c.numpy(c.values["turn_rewards"]), "turn_rewards")
