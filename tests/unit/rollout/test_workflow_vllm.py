@@ -200,3 +200,40 @@ def test_addition_duo_on_vllm_matches_the_runner_with_the_same_seed(setup) -> No
     assert traj.steps[0].response_ids.tolist() == sol.token_ids
     assert traj.steps[1].response_ids.tolist() == ver.token_ids
     np.testing.assert_allclose(traj.steps[0].logprobs, sol.logprobs, atol=1e-6)
+
+
+def test_addition_trio_routes_on_real_verdicts(setup) -> None:
+    from teamrl.protocol import decode_trajectories, encode_trajectories
+    from teamrl.rewards.addition import make_task
+    from teamrl.rollout.tokenizer import CharTokenizer
+    from teamrl.rollout.workflow import run_episode
+    from teamrl.rollout.workflows import load
+
+    wf = load("addition-trio")
+    tasks = [make_task(a, (a * 37) % 100) for a in range(0, 100, 7)]
+
+    async def many():
+        return await asyncio.gather(
+            *[
+                run_episode(
+                    wf,
+                    t,
+                    setup["engine"],
+                    tokenizers=CharTokenizer(),
+                    seed=i,
+                    incarnation="t",
+                    seq=i,
+                    group_id="g",
+                )
+                for i, t in enumerate(tasks)
+            ]
+        )
+
+    trajs = decode_trajectories(encode_trajectories(setup["loop"].run_until_complete(many())))
+    for t in trajs:
+        agents = [s.agent_id for s in t.steps]
+        assert agents == ["solver", "verifier"] * (len(agents) // 2) and 2 <= len(agents) <= 6
+        verdicts = [s.response_text.startswith("0") for s in t.steps if s.agent_id == "verifier"]
+        # a rejection with retries left leads to another attempt; the episode ends otherwise
+        assert all(verdicts[:-1]) and (not verdicts[-1] or len(verdicts) == 3)
+        assert len(t.turn_rewards) == len(verdicts) and t.reward == t.turn_rewards[-1]
