@@ -90,7 +90,10 @@ def _records(path: Path) -> list[dict]:
 def _spawn(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     out = tmp / f"{name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)  # each worker is a world of one on its own port
+    # each worker is a world of one on its own free port; a pytest process that initialised
+    # torch.distributed earlier (other learner tests) has these set, and A and B would share its port
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed when the process ends)
     proc = subprocess.Popen(
         [sys.executable, __file__, "--out", str(out), *extra], env=env, stdout=log, stderr=subprocess.STDOUT

@@ -209,17 +209,20 @@ def build_rows(
     if not rows:
         raise LearnerError(f"no trainable rows in {len(trajectories)} trajectories (ignored: {ignored})")
     n, big_l, big_r = len(rows), max(len(x) for x in seqs), max(r["r"] for r in rows)
-    input_ids = torch.full((n, big_l), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, big_l), dtype=torch.long)
-    resp = torch.zeros((n, big_r), dtype=torch.long)
-    behav = torch.zeros((n, big_r), dtype=torch.float32)
-    mask = torch.zeros((n, big_r), dtype=torch.bool)
+    # filled in numpy and wrapped once: per-row torch slice assignments cost more than the copy
+    ids_np = np.full((n, big_l), pad_id, dtype=np.int64)
+    attn_np = np.zeros((n, big_l), dtype=np.int64)
+    resp_np = np.zeros((n, big_r), dtype=np.int64)
+    behav_np = np.zeros((n, big_r), dtype=np.float32)
+    mask_np = np.zeros((n, big_r), dtype=np.bool_)
     for i, (seq, r) in enumerate(zip(seqs, rows, strict=True)):
-        input_ids[i, : len(seq)] = torch.from_numpy(seq)
-        attn[i, : len(seq)] = 1
-        resp[i, : r["r"]] = torch.from_numpy(r["resp"])
-        behav[i, : r["r"]] = torch.from_numpy(r["lp"])
-        mask[i, : r["r"]] = True
+        ids_np[i, : len(seq)] = seq
+        attn_np[i, : len(seq)] = 1
+        resp_np[i, : r["r"]] = r["resp"]
+        behav_np[i, : r["r"]] = r["lp"]
+        mask_np[i, : r["r"]] = True
+    input_ids, attn = torch.from_numpy(ids_np), torch.from_numpy(attn_np)
+    resp, behav, mask = torch.from_numpy(resp_np), torch.from_numpy(behav_np), torch.from_numpy(mask_np)
 
     def col(key: str, dtype: torch.dtype) -> Tensor:
         return torch.tensor([r[key] for r in rows], dtype=dtype)
@@ -503,11 +506,13 @@ class LearnerEngine:
     def _token_logp(self, batch: RowBatch, idx: Tensor, adapter: str | None, grad: bool) -> Tensor:
         """Response-token log-probs [n, R] of rows ``idx`` under ``adapter`` (None: the base model).
 
-        Right-padded rows with position ids 0..L-1; only the response positions' logits are used.
+        Right-padded rows with position ids 0..L-1; only the response positions' logits are used. No
+        attention mask is passed: with right padding, causal attention alone keeps every valid position
+        from seeing a pad (pads only follow), and the mask-free call takes the faster causal attention
+        path (measured ~5% of a CPU update step; tests/bench/learner.py).
         """
         big_l = int((batch.prompt_lens[idx] + batch.resp_lens[idx]).max())
         ids = batch.input_ids[idx, :big_l].to(self.device)
-        attn = batch.attention_mask[idx, :big_l].to(self.device)
         pos = torch.arange(big_l, device=self.device).expand(len(idx), -1)
         resp = batch.response_ids[idx].to(self.device)
         big_r = resp.shape[1]
@@ -522,7 +527,7 @@ class LearnerEngine:
             ctx = contextlib.nullcontext()
         call = self.engines[adapter] if (grad and adapter is not None) else self.model
         with ctx, torch.set_grad_enabled(grad):
-            logits = call(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+            logits = call(input_ids=ids, position_ids=pos, use_cache=False).logits
             vocab = logits.shape[-1]
             sel = logits.gather(1, gather[..., None].expand(-1, -1, vocab)).float() / self.temperature
             logp = torch.log_softmax(sel, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
@@ -539,7 +544,6 @@ class LearnerEngine:
         """
         big_l = int((batch.prompt_lens[idx] + batch.resp_lens[idx]).max())
         ids = batch.input_ids[idx, :big_l].to(self.device)
-        attn = batch.attention_mask[idx, :big_l].to(self.device)
         pos = torch.arange(big_l, device=self.device).expand(len(idx), -1)
         big_r = batch.response_ids.shape[1]
         gather = (batch.prompt_lens[idx, None] - 1 + torch.arange(big_r)[None, :]).clamp(max=big_l - 1)
@@ -547,9 +551,8 @@ class LearnerEngine:
         base = self.model.get_base_model()
         self.model.eval()
         with self.model.disable_adapter():
-            hidden = base.get_decoder()(
-                input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False
-            ).last_hidden_state
+            # no attention mask: right-padded rows (see _token_logp)
+            hidden = base.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
             sel = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, R, H]
             ref = None
             if want_logp:

@@ -1,0 +1,324 @@
+"""Learner benchmark: ``LearnerEngine.train_step`` against a bare PyTorch + PEFT loop, same run.
+
+Both sides train the same LoRA config (r 8, alpha 16, q/k/v/o) on a copy of the same base, on the same
+batch (``--rows`` agent steps of ``--prompt`` + ``--response`` tokens, one micro-batch), each update being
+one forward over the rows, the PPO-clip loss on the response tokens, one backward and one AdamW step
+with global grad-norm clipping at 1.0. Ours runs as the learner service runs it (one adapter, the
+default decoupled objective, DeepSpeed ZeRO-2 engine, simultaneous update, so no extra no-grad pass)
+and adds building rows from ``GraphTrajectory`` objects, advantages and its metrics. Rounds alternate
+bare / ours after a warm-up of each; the median of each side is printed, and the ratio is the median of
+the per-round ratios (adjacent measurements, so drifting load from other processes cancels). On CPU
+torch runs one thread by default (``--threads``) and the ratio is taken from process CPU time
+(``--clock``), since wall time on a shared machine measures the neighbours. Not a timed test.
+
+Then the weight push: ``export_adapters`` + ``folder_payload`` + sha256 on the learner side, and
+unpack + sha256 check + PEFT ``load_adapter`` on a receiving copy of the base, until its probe
+log-probs equal the learner's. The vLLM hot-load on a rollout is measured by the rollout benchmark
+(``tests/bench/rollout.py``) and the rollout adapter tests, not here.
+
+    python tests/bench/learner.py [--quick] [--model DIR] [--device cpu|cuda] [--random-init-qwen05b]
+
+Last line: ``learner_ratio=<ours/bare tokens per second>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ADAPTER = "solver-lora"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _qwen05b_shaped(out: Path, dtype: str) -> Path:
+    """A random-initialised model with Qwen2.5-0.5B's config (no download), saved to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32_768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151_643,
+        eos_token_id=151_643,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    )
+    model.save_pretrained(out)
+    return out
+
+
+def _trajectories(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> list:
+    import numpy as np
+
+    from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(rows):
+        step = AgentStep(
+            agent_id="solver",
+            role="solver",
+            model_id="bench",
+            adapter=ADAPTER,
+            policy_version=0,
+            turn=0,
+            parents=np.zeros(0, np.int32),
+            prompt_ids=rng.integers(2, vocab, prompt, dtype=np.int32),
+            response_ids=rng.integers(2, vocab, response, dtype=np.int32),
+            logprobs=-rng.exponential(1.0, response).astype(np.float32),
+            reward=float(rng.normal()),
+        )
+        out.append(GraphTrajectory(f"e{i}", "bench", i, f"t{i // 8}", f"g{i // 8}", "w", [step], reward=0.0))
+    return out
+
+
+class Bare:
+    """The reference: PEFT model + torch AdamW, nothing else (the same math as one ``train_step``)."""
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, lr: float, seed: int) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).to(device)
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none")
+        self.model = get_peft_model(base, lora, adapter_name=ADAPTER)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999))
+        self.device = device
+
+    def prepare(self, trajs: list) -> dict:
+        """Tensors of the batch, built once outside the timed loop (the bare side's best case)."""
+        import torch
+
+        steps = [t.steps[0] for t in trajs]
+        p, r = len(steps[0].prompt_ids), len(steps[0].response_ids)
+        ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids) for s in steps], dtype=torch.long)
+        rewards = torch.tensor([s.reward for s in steps])
+        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        return {
+            "ids": ids.to(self.device),
+            "pos": torch.arange(p + r, device=self.device).expand(len(steps), -1),
+            "resp": ids[:, p:].to(self.device),
+            "adv": adv[:, None].to(self.device),
+            "p": p,
+        }
+
+    def step(self, b: dict) -> float:
+        import torch
+
+        self.model.train()
+        p = b["p"]
+        logits = self.model(input_ids=b["ids"], position_ids=b["pos"], use_cache=False).logits
+        sel = logits[:, p - 1 : -1].float()
+        logp = torch.log_softmax(sel, dim=-1).gather(-1, b["resp"][..., None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        loss = torch.maximum(-ratio * b["adv"], -ratio.clamp(0.8, 1.2) * b["adv"]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def bench_update(args: argparse.Namespace, model_dir: Path) -> tuple[float, object, int]:
+    from teamrl.learner.engine import AdapterSettings, LearnerEngine
+
+    ours = LearnerEngine(
+        model_dir,
+        [ADAPTER],
+        adapter_settings={ADAPTER: AdapterSettings(lr=1e-4, clip_low=0.2, clip_high=0.2)},
+        dtype=args.dtype,
+        device=args.device,
+        micro_batch_rows=args.rows,
+        logprob_tolerance=None,
+        update_order="simultaneous",
+        zero_stage=args.zero_stage,
+    )
+    bare = Bare(model_dir, ours.device, args.dtype, 1e-4, seed=0)
+    vocab = int(ours.model.config.vocab_size)
+    trajs = _trajectories(args.rows, args.prompt, args.response, vocab)
+    prepared = bare.prepare(trajs)
+    tokens = args.rows * (args.prompt + args.response)
+
+    def run_ours(step: int) -> None:
+        ours.train_step(trajs, step, 0)
+
+    def run_bare(step: int) -> None:
+        bare.step(prepared)
+
+    wall: dict[str, list[float]] = {"ours": [], "bare": []}
+    cpu: dict[str, list[float]] = {"ours": [], "bare": []}
+    for fn in (run_bare, run_ours):
+        for w in range(args.warmup):
+            fn(w)
+    _sync(args.device)
+    for i in range(args.rounds):
+        for name, fn in (("bare", run_bare), ("ours", run_ours)):
+            _sync(args.device)
+            t, c = time.perf_counter(), time.process_time()
+            fn(args.warmup + i)
+            _sync(args.device)
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    print(
+        f"update batch: {args.rows} rows x ({args.prompt} prompt + {args.response} response) = {tokens} tokens"
+    )
+    for label, name in (("bare PyTorch+PEFT", "bare"), ("ours train_step  ", "ours")):
+        w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        print(
+            f"{label}: {tokens / w:10.0f} tokens/s wall (median step {w * 1e3:7.1f} ms), "
+            f"{tokens / c:10.0f} tokens per CPU-second ({c * 1e3:7.1f} ms)"
+        )
+    # On CPU the ratio uses process CPU time: on a machine shared with other work, wall time measures
+    # the neighbours as much as the code. Either way each round's two adjacent measurements are paired,
+    # so slowly drifting load cancels, and the median of the per-round ratios is taken.
+    clock = cpu if args.clock == "cpu" else wall
+    ratio = statistics.median(b / o for b, o in zip(clock["bare"], clock["ours"], strict=True))
+    print(f"ratio by {args.clock} time: {ratio:.3f}")
+    return ratio, ours, vocab
+
+
+def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from teamrl.protocol.adapters import folder_payload, payload_sha256, unpack_adapter_payload
+
+    tdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    recv_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).to(ours.device)
+    receiver = None
+    prompt = [1 + (i % (vocab - 2)) for i in range(8)]
+    completion = [2 + (i % (vocab - 2)) for i in range(4)]
+    tmp = Path(tempfile.mkdtemp(prefix="teamrl-push-"))
+    parts: dict[str, list[float]] = {k: [] for k in ("export", "pack+sha", "unpack+verify", "load", "total")}
+    size = 0
+    for v in range(1, args.pushes + 1):
+        ours.train_step(_trajectories(args.rows, args.prompt, args.response, vocab, seed=v), 10_000 + v, v)
+        want = ours.completion_logprobs(ADAPTER, prompt, completion)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        ours.export_adapters(tmp / f"v{v}")
+        t1 = time.perf_counter()
+        data = folder_payload(tmp / f"v{v}")
+        sha = payload_sha256(data)
+        t2 = time.perf_counter()
+        if payload_sha256(data) != sha:  # the receiver checks the announced digest
+            raise RuntimeError("sha256 mismatch")
+        got = unpack_adapter_payload(data, tmp / f"recv{v}")
+        t3 = time.perf_counter()
+        name = f"{ADAPTER}@v{v}"
+        if receiver is None:
+            receiver = PeftModel.from_pretrained(recv_base, str(got[ADAPTER]), adapter_name=name)
+        else:
+            receiver.load_adapter(str(got[ADAPTER]), adapter_name=name)
+            receiver.set_adapter(name)
+            receiver.delete_adapter(f"{ADAPTER}@v{v - 1}")
+        receiver.eval()
+        _sync(args.device)
+        t4 = time.perf_counter()
+        size = len(data)
+        with torch.no_grad():
+            ids = torch.tensor([prompt + completion], device=ours.device)
+            logp = torch.log_softmax(receiver(input_ids=ids).logits[0].float(), -1)
+        live = [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(completion)]
+        if max(abs(a - b) for a, b in zip(live, want, strict=True)) > 1e-4:
+            raise RuntimeError(
+                f"pushed adapter v{v} does not reproduce the learner's probe: {live} vs {want}"
+            )
+        for k, d in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+            parts[k].append(d * 1e3)
+    med = {k: statistics.median(x) for k, x in parts.items()}
+    print(
+        f"weight push ({size / 1024:.0f} KiB payload, median of {args.pushes}): total {med['total']:.1f} ms = "
+        f"export {med['export']:.1f} + pack+sha256 {med['pack+sha']:.1f} + unpack+verify "
+        f"{med['unpack+verify']:.1f} + PEFT load {med['load']:.1f} ms (receiver's probe log-probs match)"
+    )
+    print("vLLM hot-load latency of a pushed adapter is measured by tests/bench/rollout.py, not here")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds (under 60 s on 2 CPU cores)")
+    p.add_argument("--model", default="", help="model folder (default: the embedded model)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--random-init-qwen05b",
+        action="store_true",
+        help="build a random-initialised Qwen2.5-0.5B-shaped model in a temp folder (for GPU machines)",
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="")
+    p.add_argument("--rows", type=int, default=0, help="agent steps per update (default by model)")
+    p.add_argument("--prompt", type=int, default=0)
+    p.add_argument("--response", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=0)
+    p.add_argument("--pushes", type=int, default=0)
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=2, help="ours' ZeRO stage")
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="",
+        help="time the ratio is computed from (default: cpu on --device cpu, wall on cuda)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: steadiest figures on a shared machine)"
+    )
+    args = p.parse_args()
+    big = args.random_init_qwen05b or bool(args.model)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.rows = args.rows or (16 if big else 64)
+    args.prompt = args.prompt or (256 if big else 24)
+    args.response = args.response or (256 if big else 24)
+    args.rounds = args.rounds or (5 if args.quick else 15)
+    args.warmup = 2
+    args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
+    args.pushes = args.pushes or (3 if args.quick else 8)
+
+    import torch
+
+    from teamrl.learner.engine import init_distributed
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    init_distributed(args.device)
+    if args.random_init_qwen05b:
+        model_dir = _qwen05b_shaped(Path(tempfile.mkdtemp(prefix="qwen05b-")), args.dtype)
+        print(f"model: random-initialised Qwen2.5-0.5B-shaped ({model_dir}), {args.dtype}, {args.device}")
+    elif args.model:
+        model_dir = Path(args.model)
+        print(f"model: {model_dir}, {args.dtype}, {args.device}")
+    else:
+        from teamrl.learner.modelbuild import build
+
+        model_dir = build()
+        print(f"model: embedded ({model_dir}), {args.dtype}, {args.device}")
+    ratio, ours, vocab = bench_update(args, model_dir)
+    bench_push(ours, model_dir, args, vocab)
+    print(f"learner_ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
