@@ -66,6 +66,6 @@ ENV DS_ACCELERATOR=cuda
 FROM runtime-${VARIANT}
 USER 10001:10001
 # Service ports (deploy/config/teamrl.toml [ports]): buffer, learner publish, rendezvous, metrics.
-EXPOSE 5555 5556 5557 29500 9100 9101 9102
+EXPOSE 5555 5556 5557 5558 29500 9100 9101 9102
 ENTRYPOINT ["/usr/bin/tini", "--", "teamrl"]
 CMD ["--help"]

@@ -18,7 +18,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_run_two_steps_writes_metrics_eval_adapters_and_plots(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "teamrl.cli.main", "run", "--run-dir", str(run), "--steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "teamrl.cli.main",
+        "run",
+        "--mode",
+        "sync",
+        "--run-dir",
+        str(run),
+        "--steps",
+        "2",
+    ]
     cmd += ["--tasks-per-step", "4", "--group-size", "4", "--eval-interval", "2", "--eval-tasks", "16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

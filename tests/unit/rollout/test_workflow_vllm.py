@@ -170,38 +170,6 @@ def test_three_agent_dag_on_vllm_records_the_behaviour_log_probs(setup) -> None:
     assert worst < ATOL
 
 
-def test_addition_duo_on_vllm_matches_the_runner_with_the_same_seed(setup) -> None:
-    from teamrl.rewards.addition import make_task
-    from teamrl.rollout.runner import WorkflowRunner
-    from teamrl.rollout.tokenizer import CharTokenizer
-    from teamrl.rollout.workflow import run_episode
-    from teamrl.rollout.workflows import load
-
-    eng = setup["engine"]
-    runner = WorkflowRunner("addition-duo", eng, "ref")
-    task = make_task(12, 34)
-
-    async def both():
-        ref = await runner._generate(task, 1.0, 5)
-        mine = await run_episode(
-            load("addition-duo"),
-            task,
-            eng,
-            tokenizers=CharTokenizer(),
-            seed=5,
-            incarnation="x",
-            seq=0,
-            group_id="g",
-        )
-        return ref, mine
-
-    (sol, ver, _), traj = setup["loop"].run_until_complete(both())
-    # adapters solver-lora/verifier-lora are not loaded in this engine: both run on base weights
-    assert traj.steps[0].response_ids.tolist() == sol.token_ids
-    assert traj.steps[1].response_ids.tolist() == ver.token_ids
-    np.testing.assert_allclose(traj.steps[0].logprobs, sol.logprobs, atol=1e-6)
-
-
 def test_addition_trio_routes_on_real_verdicts(setup) -> None:
     from teamrl.protocol import decode_trajectories, encode_trajectories
     from teamrl.rewards.addition import make_task

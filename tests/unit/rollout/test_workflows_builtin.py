@@ -87,45 +87,59 @@ def test_every_shipped_config_loads_and_builtins_match_their_file() -> None:
     "sol_text,ver_text",
     [("52;", "1;"), ("53;", "0;"), ("0520;", "1;"), (";", "0;"), ("", "1"), ("5", "9;"), ("99999", ";")],
 )
-def test_addition_duo_is_exactly_the_cli_episode(sol_text: str, ver_text: str) -> None:
-    """`teamrl run` (sync and async) runs addition-duo through teamrl.rollout.runner.WorkflowRunner."""
+def test_addition_duo_is_exactly_the_episode_teamrl_run_trains_on(sol_text: str, ver_text: str) -> None:
+    """`teamrl run` (sync and async) runs addition-duo through teamrl.rollout.runner.WorkflowRunner:
+    the requests and the trajectory are the embedded task's, spelled out here by hand."""
     from teamrl.cli import run as cli
     from teamrl.rewards import addition
     from teamrl.rollout.runner import WorkflowRunner
 
     task = addition.make_task(7, 45)
-    answers = {"solver-lora": [sol_text], "verifier-lora": [ver_text]}
-    ref = Recorder(answers, version=4)
-    runner = WorkflowRunner("addition-duo", ref, "inc")
-    sol, ver, cand = asyncio.run(runner._generate(task, 1.0, 1234))
-    mine = Recorder(answers, version=4)
-    traj = _episode(load("addition-duo"), task, mine, CHAR, seed=1234)
+    backend = Recorder({"solver-lora": [sol_text], "verifier-lora": [ver_text]}, version=4)
+    runner = WorkflowRunner("addition-duo", backend, "inc", model_dir=_embedded_marker_dir())
+    traj = asyncio.run(runner.episode(task, 1234, group_id="grp"))
+    cand = addition.parse_answer(sol_text)[:3].rjust(3, "0")
 
-    # the same requests: prompt ids, sampling, adapter and seed
-    assert mine.calls == ref.calls
-    assert mine.calls[0][0] == cli.encode(addition.solver_prompt(task))
-    assert mine.calls[1][0] == cli.encode(addition.verifier_prompt(task, cand))
-
-    # the same trajectory as the runner builds (episode ids are random in both)
-    want = runner.trajectory(task, "grp", sol, ver, cand, 9)
-    assert (traj.task_id, traj.group_id, traj.workflow, traj.incarnation, traj.seq) == (
-        want.task_id,
-        want.group_id,
-        want.workflow,
-        want.incarnation,
-        want.seq,
+    (p_s, samp_s, ad_s, seed_s), (p_v, samp_v, ad_v, seed_v) = backend.calls
+    assert p_s == cli.encode(addition.solver_prompt(task)) and (ad_s, seed_s) == ("solver-lora", 1234)
+    assert p_v == cli.encode(addition.verifier_prompt(task, cand)) and (ad_v, seed_v) == (
+        "verifier-lora",
+        1235,
     )
-    assert traj.reward == want.reward and traj.turn_rewards.tolist() == want.turn_rewards.tolist()
-    assert len(traj.steps) == len(want.steps) == 2
-    for a, b in zip(traj.steps, want.steps, strict=True):
-        for f in ("agent_id", "role", "model_id", "adapter", "policy_version", "turn", "finish_reason"):
-            assert getattr(a, f) == getattr(b, f), f
-        assert a.reward == b.reward and a.response_text == b.response_text
-        assert (a.t_start, a.t_end) == (b.t_start, b.t_end)
-        for f in ("parents", "prompt_ids", "response_ids", "logprobs"):
-            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
-            assert getattr(a, f).dtype == getattr(b, f).dtype
+    for samp in (samp_s, samp_v):
+        assert (samp.max_tokens, samp.temperature, tuple(samp.stop_token_ids)) == (5, 1.0, (14,))
+
+    assert (traj.task_id, traj.group_id, traj.workflow, traj.incarnation) == (
+        task["id"],
+        "grp",
+        "addition-duo",
+        "inc",
+    )
+    r_s = addition.solver_reward(task, cand)
+    r_v = addition.verifier_reward(task, cand, ver_text)
+    assert traj.reward == r_s and traj.turn_rewards.tolist() == [r_s]
+    sol, ver = traj.steps
+    assert (sol.agent_id, sol.adapter, sol.reward, sol.policy_version) == ("solver", "solver-lora", r_s, 4)
+    assert (ver.agent_id, ver.adapter, ver.reward, ver.policy_version) == (
+        "verifier",
+        "verifier-lora",
+        r_v,
+        4,
+    )
+    assert sol.parents.tolist() == [] and ver.parents.tolist() == [0]
+    for st, gen in zip(traj.steps, backend.gens, strict=True):
+        assert st.response_ids.tolist() == gen.token_ids and st.response_ids.dtype == np.int32
+        np.testing.assert_array_equal(st.logprobs, np.asarray(gen.logprobs, np.float32))
     decode_trajectories(encode_trajectories([traj]))
+
+
+def _embedded_marker_dir() -> Path:
+    """A folder that tokenizer_for() recognises as the embedded char model (no weights needed)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="teamrl-marker-"))
+    (d / "teamrl_model.json").write_text(json.dumps({"task": "addition"}))
+    return d
 
 
 def test_addition_duo_tasks_are_the_cli_split() -> None:

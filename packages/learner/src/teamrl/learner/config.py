@@ -84,11 +84,28 @@ class LearnerConfig(_Strict):
     reward_source: Literal["step", "trajectory"] = Field(
         "step", description="reward of a row: the agent step's own reward, or the team reward"
     )
-    objective: Literal["decoupled", "ppo"] = Field(
+    objective: Literal["decoupled", "ppo", "ppo-critic"] = Field(
         "decoupled",
         description="decoupled = AReaL decoupled PPO with the behaviour weight π_prox/μ (token TIS); "
-        "ppo = plain PPO-clip against the recomputed π_old (ignores μ)",
+        "ppo = plain PPO-clip against the recomputed π_old (ignores μ); ppo-critic = MARFT PPO with a "
+        "centralised value head and GAE (critic_level)",
     )
+    critic_level: Literal["action", "token"] = Field(
+        "action", description="ppo-critic: GAE over agent steps (MARFT APPO) or over tokens (TPPO)"
+    )
+    gamma: float = Field(0.99, ge=0, le=1, description="ppo-critic: discount between agent steps")
+    lam: float = Field(0.95, ge=0, le=1, description="ppo-critic: GAE λ")
+    token_gamma: float | None = Field(
+        None, ge=0, le=1, description="ppo-critic token level: discount between tokens (None: gamma)"
+    )
+    value_coef: float = Field(1.0, gt=0, description="ppo-critic: weight of the value loss")
+    critic_lr: float = Field(5e-4, gt=0, description="ppo-critic: learning rate of the value head")
+    value_clip: float | None = Field(0.2, gt=0, description="ppo-critic: value clipping range (None: off)")
+    critic_hidden: int = Field(256, ge=1, description="ppo-critic: hidden width of the value head")
+    action_logprob_norm: Literal["token", "sum"] = Field(
+        "token", description="ppo-critic action level: log-prob of an action, token-mean or sum"
+    )
+    whiten_advantages: bool = Field(True, description="ppo-critic: normalise GAE advantages per batch")
     tis_cap: float | None = Field(
         2.0, gt=0, description="cap C on the token weight π_prox/μ (None: uncapped)"
     )
@@ -200,6 +217,16 @@ class LearnerConfig(_Strict):
             "order": self.order,
             "epochs": self.epochs,
             "seed": self.seed,
+            "critic_level": self.critic_level,
+            "gamma": self.gamma,
+            "lam": self.lam,
+            "token_gamma": self.token_gamma,
+            "value_coef": self.value_coef,
+            "critic_lr": self.critic_lr,
+            "value_clip": self.value_clip,
+            "critic_hidden": self.critic_hidden,
+            "action_logprob_norm": self.action_logprob_norm,
+            "whiten_advantages": self.whiten_advantages,
         }
 
     def adapter_settings(self, adapter: str) -> dict[str, float]:

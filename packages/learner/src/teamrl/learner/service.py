@@ -101,7 +101,22 @@ class LearnerService:
         self.engine.load_checkpoint(last)
         self.step = int(state["step"])
         self.version = int(state["version"])
-        log.info("resumed from %s: step %d, version %d", last, self.step, self.version)
+        # Versions published after this checkpoint (before a kill) are never issued again with
+        # other weights: go on from the highest version ever exported.
+        published = [
+            int(p.name[1:])
+            for p in (self.run_dir / "adapters").glob("v*")
+            if p.name[1:].isdigit() and (p / self.cfg.adapters[0]).is_dir()
+        ]
+        skipped = max([self.version, *published]) - self.version
+        self.version += skipped
+        log.info(
+            "resumed from %s: step %d, version %d%s",
+            last,
+            self.step,
+            self.version,
+            f" (skipping {skipped} version(s) published after the checkpoint)" if skipped else "",
+        )
         M.VERSION.set(self.version)
 
     def checkpoint(self) -> None:
@@ -359,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.metrics_port > 0 and int(os.environ.get("RANK", "0")) == 0:
+    if args.metrics_port > 0:  # every rank: its probes and Prometheus target need a live endpoint
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.metrics_host)

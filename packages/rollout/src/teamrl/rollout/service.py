@@ -370,8 +370,8 @@ class RolloutService:
         log.info("held-out at v%d: %s", v, json.dumps(res))
 
     async def produce(self) -> None:
-        rng = random.Random(self.cfg.seed * 7919 + self.replica)
-        tasks = list(self.runner.train_tasks(self.replica, self.cfg.num_replicas))
+        rng = random.Random(self.cfg.seed * 7919 + self.seed_offset)
+        tasks = list(self.runner.train_tasks(self.replica, self.num_replicas))
         if not tasks:
             raise RolloutConfigError(f"replica {self.replica} of {self.cfg.num_replicas} has no tasks")
         order: list[dict] = []
@@ -420,7 +420,15 @@ class RolloutService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
-        self.replica = self.cfg.replica if self.cfg.replica >= 0 else _replica_from_env()
+        ordinal = self.cfg.replica if self.cfg.replica >= 0 else _replica_from_env()
+        self.replica, self.num_replicas, self.seed_offset = ordinal or 0, self.cfg.num_replicas, ordinal or 0
+        if ordinal is None:
+            # A Deployment pod (name ends in a hash): no index to shard by. Every pod takes the
+            # whole task set and seeds from its incarnation id, so pods never repeat each other.
+            self.num_replicas = 1
+            self.seed_offset = int(self.incarnation.rsplit("-", 1)[-1], 16) % 2**31
+            if self.cfg.num_replicas > 1:
+                log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
         self.adapter_root = Path(self.cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
         self.eval_file = Path(self.cfg.eval_file) if self.cfg.eval_file and self.replica == 0 else None
         self.samples_dir = Path(self.cfg.samples_dir) if self.cfg.samples_dir and self.replica == 0 else None
@@ -434,7 +442,7 @@ class RolloutService:
         self.engine = RolloutEngine(
             EngineConfig(
                 model=model,
-                seed=self.cfg.seed + self.replica,
+                seed=self.cfg.seed + self.seed_offset,
                 max_lora_rank=self.cfg.max_lora_rank,
                 keep_versions=self.cfg.keep_versions,
                 kv_cache_bytes=self.cfg.kv_cache_bytes,
@@ -452,7 +460,7 @@ class RolloutService:
             self.incarnation,
             time.time() - t0,
             self.replica,
-            self.cfg.num_replicas,
+            self.num_replicas,
             self.cfg.workflow,
             self.buffer,
             self.weights,
@@ -488,10 +496,10 @@ class RolloutService:
         M.READY.set(0)
 
 
-def _replica_from_env() -> int:
-    """The StatefulSet/Deployment ordinal in POD_NAME (``rollout-3`` -> 3), else 0."""
+def _replica_from_env() -> int | None:
+    """The StatefulSet ordinal in POD_NAME (``rollout-3`` -> 3); None when there is none."""
     tail = os.environ.get("POD_NAME", "").rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return int(tail) if tail.isdigit() else None
 
 
 # --------------------------------------------------------------------------------------------
