@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast bench lint format check-deploy clean
+.PHONY: setup demo test test-fast bench bench-results lint format check-deploy clean
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,15 @@ test-fast: setup
 bench: setup
 	$(PY) tests/bench/transport.py --quick
 	$(PY) tests/bench/rollout.py --quick
+	$(PY) tests/bench/learner.py --quick
+	$(PY) tests/bench/rollout_scaling.py --quick
+
+# The README's results (a)-(d): full runs, about 40 minutes on 2 cores.
+bench-results: setup
+	$(PY) tests/bench/compare_runs.py mode
+	$(PY) tests/bench/compare_runs.py algorithm --steps 40
+	$(PY) tests/bench/compare_runs.py update-order --steps 40
+	$(PY) tests/bench/rollout_scaling.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -182,19 +182,19 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         assert [r["step"] for r in rows[:2]] == [0, 1]
         assert [r["version"] for r in rows[:2]] == [1, 2]
 
-        for i in range(4, 8):
+        for i in range(4, 6):  # one more batch: the restarted learner makes step 2, then waits
             sender.send(encode_trajectories(groups(1, 4, i, rng)))
         assert sender.flush(30)
         learner = subprocess.Popen(
-            [*learner_argv, "--set", "max_steps=3"],
+            [*learner_argv, "--set", "max_steps=100"],
             stdout=open(logs / "learner-2.log", "wb"),
             stderr=subprocess.STDOUT,
             env=env,
         )
         # announcements are read while the learner lives, as a rollout would (gaps healed via latest)
-        wait_for(lambda: announced(3) or learner.poll() is not None, 240, "version 3 after the restart")
+        wait_for(lambda: announced(3), 240, "version 3 after the restart")
+        learner.send_signal(signal.SIGTERM)  # waiting for data: checkpoint and exit 0
         assert learner.wait(60) == 0, (logs / "learner-2.log").read_text()[-3000:]
-        assert seen[-1] == 3, f"saw versions {seen}"
         log2 = (logs / "learner-2.log").read_text()
         assert "resumed from" in log2 and "step 2, version 2" in log2
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

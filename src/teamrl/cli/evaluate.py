@@ -1,0 +1,144 @@
+"""``teamrl eval``: a workflow's held-out avg@k and pass@k, with or without trained adapters.
+
+    teamrl eval --adapters runs/demo/adapters/v60 --n 8 --k 1,4,8
+
+Samples ``n`` episodes per held-out task on vLLM (temperature ``--temperature``) and reports, over
+tasks, avg@n (mean success over the samples) and the unbiased pass@k of Chen et al. 2021 (eq. 1):
+``1 - C(n - c, k) / C(n, k)`` for ``c`` successes in ``n``. An episode succeeds when its trajectory
+reward is at least ``--success``. Each agent's mean step reward is reported too. Adapters are loaded
+the way rollouts load them: a probe's log-probs, computed here with transformers + PEFT, must match
+vLLM's, or the adapters are refused. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+PROBE_PROMPT = [1, 16, 2, 3, 12, 4, 5, 13]
+PROBE_COMPLETION = [2, 4, 6, 14]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``c`` successes in ``n`` samples (k <= n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _probe_logprobs(model: str, adapter_dir: Path) -> list[float]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(adapter_dir))
+    ids = torch.tensor([PROBE_PROMPT + PROBE_COMPLETION])
+    with torch.no_grad():
+        lp = torch.log_softmax(peft(ids).logits[0].float(), -1)
+    return [lp[len(PROBE_PROMPT) - 1 + j, t].item() for j, t in enumerate(PROBE_COMPLETION)]
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    from teamrl.rollout.engine import EngineConfig, RolloutEngine
+    from teamrl.rollout.runner import WorkflowRunner
+
+    model = args.model
+    if not model:
+        from teamrl.learner.modelbuild import build
+
+        model = str(build())
+    ks = sorted({int(x) for x in args.k.split(",")})
+    if ks[-1] > args.n:
+        raise SystemExit(f"teamrl eval: k={ks[-1]} > n={args.n}")
+    eng = RolloutEngine(EngineConfig(model=model, seed=args.seed))
+    runner = WorkflowRunner(args.workflow, eng, "eval", tasks=args.tasks or "")
+    tasks = runner.held_out_tasks(args.num_tasks)
+    await eng.start()
+    try:
+        version = 0
+        if args.adapters:
+            folder = Path(args.adapters)
+            subs = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
+            if not subs:
+                raise SystemExit(f"teamrl eval: {folder} holds no PEFT adapter folder")
+            probe = next(iter(subs))
+            version = 1
+            await eng.load_version(
+                version,
+                subs,
+                probe,
+                PROBE_PROMPT,
+                PROBE_COMPLETION,
+                _probe_logprobs(model, subs[probe]),
+                1e-3,
+            )
+        if args.temperature == 0.0:
+            runner.workflow = runner.greedy
+        else:
+            runner.workflow = runner.workflow.with_sampling(temperature=args.temperature)
+        jobs = [(i, t, s) for i, t in enumerate(tasks) for s in range(args.n)]
+        trajs = await asyncio.gather(
+            *[runner.episode(t, args.seed * 100_003 + 1000 * i + s, group_id=f"t{i}") for i, t, s in jobs]
+        )
+    finally:
+        await eng.close()
+    per_task: dict[int, list[float]] = {}
+    per_agent: dict[str, list[float]] = {}
+    for (i, _, _), tr in zip(jobs, trajs, strict=True):
+        per_task.setdefault(i, []).append(tr.reward)
+        for st in tr.steps:
+            per_agent.setdefault(st.agent_id, []).append(float(st.reward))
+    out: dict = {
+        "workflow": runner.name,
+        "adapters": args.adapters or "(base model)",
+        "tasks": len(tasks),
+        "n": args.n,
+        "temperature": args.temperature,
+        f"avg@{args.n}": sum(sum(r >= args.success for r in rs) / args.n for rs in per_task.values())
+        / len(per_task),
+    }
+    for k in ks:
+        out[f"pass@{k}"] = sum(
+            pass_at_k(args.n, sum(r >= args.success for r in rs), k) for rs in per_task.values()
+        ) / len(per_task)
+    for agent, xs in per_agent.items():
+        out[f"reward/{agent}"] = sum(xs) / len(xs)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="teamrl eval",
+        description="Evaluate a workflow on held-out tasks with vLLM: avg@n and unbiased pass@k, per-agent rewards.",
+    )
+    p.add_argument("--workflow", default="addition-duo", help="built-in workflow name or TOML file")
+    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--adapters", default=None, help="a version folder (RUN/adapters/vN) of PEFT adapters")
+    p.add_argument(
+        "--tasks", default=None, help="JSONL/Parquet task file (default: the workflow's held-out split)"
+    )
+    p.add_argument("--num-tasks", type=int, default=200, help="held-out tasks used (default 200)")
+    p.add_argument("--n", type=int, default=8, help="samples per task (default 8)")
+    p.add_argument("--k", default="1,4,8", help="comma-separated k of pass@k (each <= n)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--success", type=float, default=1.0, help="trajectory reward that counts as solved")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    res = asyncio.run(_run(args))
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

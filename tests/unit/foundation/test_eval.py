@@ -1,0 +1,67 @@
+"""``teamrl eval``: the pass@k estimator by hand, and the command on the embedded model with adapters."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from teamrl.cli.evaluate import pass_at_k
+
+
+def test_pass_at_k_matches_hand_computed_values() -> None:
+    assert pass_at_k(8, 0, 1) == 0.0
+    assert pass_at_k(8, 8, 8) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(5, 3, 3) == 1.0  # fewer failures than k
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from teamrl.learner.modelbuild import build
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(build()), lora, adapter_name="solver-lora")
+    peft.add_adapter("verifier-lora", lora)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    peft.save_pretrained(tmp_path / "v1")  # -> v1/solver-lora, v1/verifier-lora
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "teamrl.cli.main",
+            "eval",
+            "--adapters",
+            str(tmp_path / "v1"),
+            "--num-tasks",
+            "10",
+            "--n",
+            "4",
+            "--k",
+            "1,4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["tasks"] == 10 and out["n"] == 4
+    assert 0.0 <= out["pass@1"] <= out["pass@4"] <= 1.0
+    assert out["avg@4"] == pytest.approx(out["pass@1"])
+    assert set(k for k in out if k.startswith("reward/")) == {"reward/solver", "reward/verifier"}
