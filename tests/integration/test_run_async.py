@@ -77,6 +77,8 @@ def test_async_run_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     assert samples and all(decode_trajectories(p.read_bytes()) for p in samples)
     stats = rows(run / "buffer" / "stats.jsonl")
     assert stats[-1]["inserted"] >= stats[-1]["sampled"] > 0
+    assert stats[-1]["producers_seen"] >= 1  # the rollout said Hello (and heartbeats) to the buffer
+    assert "rollout rollout-" in (run / "logs" / "buffer.log").read_text()  # "... registered"
     assert "[learner]" in (run / "config.toml").read_text()
 
 

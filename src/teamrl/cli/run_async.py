@@ -31,6 +31,7 @@ from typing import Any
 from teamrl.cli.plots import read_jsonl
 from teamrl.cli.supervisor import Service, Supervisor
 
+MAX_RESTARTS = 3  # a rollout that dies (e.g. its vLLM engine) is started again this many times
 STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
 
 
@@ -260,13 +261,14 @@ def run_async(args: argparse.Namespace) -> int:
                     str(args.threads_per_service),
                     "--metrics-port",
                     str(ports["metrics_learner"] if rank == 0 else free_port()),
+                    *(["--tensorboard", str(run_dir / "tensorboard")] if args.tensorboard else []),
                 ],
                 logs / f"learner-{rank}.log",
                 lenv,
             )
         )
     for i in range(args.rollouts):
-        extra = ["--set", f"replica={i}"]
+        extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep["sample"]}"']
         if i == 0:
             extra += [
                 "--set",
@@ -302,6 +304,7 @@ def run_async(args: argparse.Namespace) -> int:
     view = LiveView(args.steps)
     rc = 0
     final_wait_started: float | None = None
+    restarts: dict[str, int] = {}
     try:
         while True:
             time.sleep(1.0)
@@ -321,6 +324,20 @@ def run_async(args: argparse.Namespace) -> int:
                 rc = 130
                 break
             dead = [s for s in sup.dead() if not (s.name.startswith("learner") and s.proc.returncode == 0)]
+            for s in [
+                d for d in dead if d.name.startswith("rollout") and restarts.get(d.name, 0) < MAX_RESTARTS
+            ]:
+                # rollouts come and go: whatever they had acked is in the buffer, the rest is resent
+                # by nobody and was never counted, so a fresh incarnation simply goes on
+                restarts[s.name] = restarts.get(s.name, 0) + 1
+                print(
+                    f"[teamrl] {s.name} exited with {s.proc.returncode}; restarting it "
+                    f"({restarts[s.name]}/{MAX_RESTARTS}); last log lines:\n{s.tail(5)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                s.start()
+                dead.remove(s)
             if dead:
                 for s in dead:
                     print(
@@ -378,6 +395,11 @@ def add_async_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=max(1, (os.cpu_count() or 2) // 2),
         help="OMP/torch threads per service process (default: half the cores)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="async: learner metrics also as TensorBoard events in RUN/tensorboard",
     )
     p.add_argument(
         "--resume",

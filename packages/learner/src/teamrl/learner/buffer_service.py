@@ -44,6 +44,8 @@ from teamrl.protocol.control import (
     BufferStatsRequest,
     Drain,
     ErrorReply,
+    Heartbeat,
+    Hello,
     SampleReply,
     SampleRequest,
     Shutdown,
@@ -59,7 +61,8 @@ STATS_INTERVAL_S = 2.0
 POLL_MS = 10  # longest a quiet socket is waited on per loop turn (two sockets: ~20 ms per idle turn)
 MAX_FRAMES_PER_TURN = 64  # frames taken in before requests get a turn
 MAX_REQUESTS_PER_TURN = 16
-ACK_FLUSH_S = 0.2  # on exit, time for the last acks to leave (sockets close with LINGER 0)
+ACK_FLUSH_S = 0.2
+PRODUCER_TIMEOUT_S = 15.0  # a rollout silent this long (no heartbeat) counts as gone  # on exit, time for the last acks to leave (sockets close with LINGER 0)
 
 
 class ConfigError(ValueError):
@@ -90,6 +93,7 @@ class BufferService:
         self.last_checkpoint = now
         self.last_stats = 0.0
         self._dups_seen = 0
+        self.producers: dict[str, dict[str, Any]] = {}  # incarnation -> Hello/Heartbeat bookkeeping
         log.info(
             "buffer up: data %s, sample %s, dir %s; %d held, %d pending groups, %d inserted so far",
             self.receiver.endpoint,
@@ -106,6 +110,19 @@ class BufferService:
         if isinstance(msg, SampleRequest):
             return self._sample(msg)
         if isinstance(msg, BufferStatsRequest):
+            return self.stats()
+        if isinstance(msg, Hello):
+            known = msg.incarnation in self.producers
+            self.producers[msg.incarnation] = {"service": msg.service, "last_seen": time.time(), "beats": 0}
+            if not known:
+                log.info("%s %s registered (%s)", msg.service, msg.incarnation, ", ".join(msg.capabilities))
+            return self.stats()
+        if isinstance(msg, Heartbeat):
+            entry = self.producers.setdefault(
+                msg.incarnation, {"service": "unknown", "last_seen": 0.0, "beats": 0}
+            )
+            entry["last_seen"] = time.time()
+            entry["beats"] += 1
             return self.stats()
         if isinstance(msg, (Drain, Shutdown)):
             log.info("%s requested (%s): stopping", msg.type, msg.reason or "no reason given")
@@ -177,6 +194,10 @@ class BufferService:
             "evicted": sum(self.buffer.evicted.values()),
             "groups_pending": self.buffer.pending_groups,
             "max_policy_version": self.buffer.policy_version_range()[1],
+            "producers_alive": sum(
+                1 for p in self.producers.values() if time.time() - p["last_seen"] < PRODUCER_TIMEOUT_S
+            ),
+            "producers_seen": len(self.producers),
         }
         with open(self.cfg.dir / "stats.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")

