@@ -22,6 +22,8 @@ from teamrl.protocol.control import (
     BufferStats,
     BufferStatsRequest,
     ErrorReply,
+    Heartbeat,
+    Hello,
     SampleReply,
     SampleRequest,
     Shutdown,
@@ -145,6 +147,11 @@ def test_ingest_sample_reject_and_sigterm(buffer):
     assert metric(text, "teamrl_buffer_inserted_total") == 9
     assert metric(text, "teamrl_buffer_sampled_total") == 3
 
+    # a rollout registers (Hello) and beats on the RPC endpoint; both are answered with stats
+    hello = buffer.rpc.call(Hello(service="rollout", incarnation="rollout-7", capabilities=["arrow-v1"]))
+    beat = buffer.rpc.call(Heartbeat(incarnation="rollout-7", seq=0, time=time.time()))
+    assert isinstance(hello, BufferStats) and isinstance(beat, BufferStats) and beat.size == 6
+
     buffer.proc.send_signal(signal.SIGTERM)
     assert buffer.wait() == 0
     sender.close()
@@ -161,7 +168,10 @@ def test_ingest_sample_reject_and_sigterm(buffer):
         "evicted",
         "groups_pending",
         "max_policy_version",
+        "producers_alive",
+        "producers_seen",
     }
+    assert last["producers_seen"] == 1 and last["producers_alive"] == 1
 
 
 def test_sigkill_restart_keeps_acked_data_and_dedups_resends(buffer):
