@@ -1,7 +1,8 @@
 """Two training runs that differ in one setting, on the same seed and machine, compared.
 
     python tests/bench/compare_runs.py mode          # (a) async against sync: time to a reward
-    python tests/bench/compare_runs.py algorithm     # (b) Dr. MAS agent-wise vs global GRPO
+    python tests/bench/compare_runs.py algorithm --reward-scale verifier=10
+                                                     # (b) Dr. MAS agent-wise vs global GRPO
     python tests/bench/compare_runs.py update-order  # (c) agent-by-agent (HAPPO) vs simultaneous
 
 Each run is a real ``teamrl run`` (vLLM rollouts, DeepSpeed learner) on the embedded default
@@ -69,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-tasks", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=0.5, help="held-out solver accuracy for time-to-target")
+    p.add_argument(
+        "--reward-scale",
+        metavar="ROLE=X",
+        action="append",
+        default=[],
+        help="passed to both runs (e.g. verifier=10 for (b): agents with different reward scales)",
+    )
     p.add_argument("--quick", action="store_true", help="6 steps of 4x4: checks the script, not the science")
     p.add_argument("--out", default=None, help="folder for the two run folders (default: a temp folder)")
     args = p.parse_args(argv)
@@ -80,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         str(args.group_size), "--eval-interval", str(args.eval_interval), "--eval-tasks", str(args.eval_tasks),
         "--seed", str(args.seed),
     ]  # fmt: skip
+    for item in args.reward_scale:
+        common += ["--reward-scale", item]
     results = {}
     for variant in VARIANTS[args.what]:
         name = "_".join(variant[1::2][:1])

@@ -67,6 +67,14 @@ def build_parser(prog: str = "teamrl run") -> argparse.ArgumentParser:
     p.add_argument("--eval-tasks", type=int, default=d.eval_tasks)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
+        "--reward-scale",
+        metavar="ROLE=X",
+        action="append",
+        default=[],
+        help="multiply a role's training step reward (e.g. verifier=10: agents with different reward "
+        "scales, the case Dr. MAS is for); held-out evaluation is unscaled",
+    )
+    p.add_argument(
         "--mode",
         choices=["async", "sync"],
         default="async",
@@ -120,7 +128,7 @@ async def _run(args: argparse.Namespace) -> int:
     sender = ZmqDataSender(receiver.endpoint, incarnation)
 
     eng = RolloutEngine(EngineConfig(model=str(model), seed=args.seed))
-    runner = WorkflowRunner("addition-duo", eng, incarnation)
+    runner = WorkflowRunner("addition-duo", eng, incarnation, reward_kwargs=reward_kwargs(args))
     await eng.start()
     print(f"[teamrl] vLLM engine up after {time.time() - t_begin:.0f} s", flush=True)
 
@@ -218,6 +226,20 @@ async def _run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def reward_kwargs(args: argparse.Namespace) -> dict | None:
+    """``--reward-scale verifier=10`` -> ``{"role_scale": {"verifier": 10.0}}`` (None when not given)."""
+    scale = {}
+    for item in args.reward_scale or []:
+        role, sep, value = item.partition("=")
+        try:
+            scale[role] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not role:
+            raise SystemExit(f"teamrl run: --reward-scale {item!r}: expected ROLE=NUMBER, e.g. verifier=10")
+    return {"role_scale": scale} if scale else None
 
 
 def main(argv: list[str] | None = None, prog: str = "teamrl run") -> int:

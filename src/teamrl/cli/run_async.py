@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from teamrl.cli.plots import read_jsonl
+from teamrl.cli.run import reward_kwargs
 from teamrl.cli.supervisor import Service, Supervisor
 
 MAX_RESTARTS = 3  # a rollout that dies (e.g. its vLLM engine) is started again this many times
@@ -98,6 +99,7 @@ def resolved_config(args: argparse.Namespace, model: str) -> dict[str, Any]:
             "seed": args.seed,
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
+            "reward_scale": (reward_kwargs(args) or {}).get("role_scale", {}),
         },
     }
 

@@ -361,3 +361,19 @@ def test_task_sets_are_all_loadable() -> None:
         assert load_tasks(s), s
     with pytest.raises(WorkflowError, match=r"unknown task set 'x'"):
         load_tasks("x")
+
+
+def test_reward_scale_multiplies_training_rewards_but_not_evaluation() -> None:
+    from teamrl.rewards import addition
+    from teamrl.rollout.runner import WorkflowRunner
+
+    task = addition.make_task(7, 45)
+    backend = Recorder({"solver-lora": ["52;"], "verifier-lora": ["1;"]})
+    runner = WorkflowRunner(
+        "addition-duo", backend, "inc", model_dir=_embedded_marker_dir(),
+        reward_kwargs={"role_scale": {"verifier": 10.0}},
+    )  # fmt: skip
+    traj = asyncio.run(runner.episode(task, 1, group_id="g"))
+    assert [s.reward for s in traj.steps] == [1.0, 10.0] and traj.reward == 1.0
+    ev = asyncio.run(runner.evaluate([task]))
+    assert ev["verifier_accuracy"] == 1.0 and ev["solver_accuracy"] == 1.0

@@ -41,10 +41,16 @@ def decode(ids: list[int]) -> str:
 
 class WorkflowRunner:
     def __init__(
-        self, name: str, engine: Any, incarnation: str, tasks: str = "", model_dir: str | Path | None = None
+        self,
+        name: str,
+        engine: Any,
+        incarnation: str,
+        tasks: str = "",
+        model_dir: str | Path | None = None,
+        reward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from teamrl.rollout.tokenizer import tokenizer_for
-        from teamrl.rollout.workflow import WorkflowError, load_workflow
+        from teamrl.rollout.workflow import Workflow, WorkflowError, load_workflow
 
         wf = load_workflow(name) if name.endswith(".toml") else load(name)
         if len(wf.models) > 1:
@@ -53,8 +59,14 @@ class WorkflowRunner:
                 "serves one (run one service per base model)"
             )
         self.name = wf.name
+        self.greedy = wf.with_sampling(temperature=0.0)  # evaluation: the unmodified reward
+        if reward_kwargs:  # training reward only, e.g. {"role_scale": {"verifier": 10.0}}
+            if wf.reward is None:
+                raise WorkflowError(f"workflow {wf.name!r} has no reward to pass {sorted(reward_kwargs)} to")
+            data = wf.model_dump()
+            data["reward"]["kwargs"] = {**data["reward"].get("kwargs", {}), **reward_kwargs}
+            wf = Workflow.from_dict(data)
         self.workflow = wf
-        self.greedy = wf.with_sampling(temperature=0.0)
         self.engine = engine
         self.incarnation = incarnation
         folder = model_dir or getattr(getattr(engine, "cfg", None), "model", None)

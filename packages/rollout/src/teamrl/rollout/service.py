@@ -84,6 +84,9 @@ class RolloutConfig(BaseModel):
         "", description="buffer RPC endpoint for Hello / Heartbeat; empty = the data endpoint's port + 1"
     )
     heartbeat_interval_s: float = Field(5.0, gt=0, description="seconds between heartbeats to the buffer")
+    reward_scale: dict[str, float] = Field(
+        default_factory=dict, description="multiply a role's training step reward, e.g. {verifier = 10.0}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,7 +501,13 @@ class RolloutService:
                 kv_cache_bytes=self.cfg.kv_cache_bytes,
             )
         )
-        self.runner = WorkflowRunner(self.cfg.workflow, self.engine, self.incarnation, tasks=self.cfg.tasks)
+        self.runner = WorkflowRunner(
+            self.cfg.workflow,
+            self.engine,
+            self.incarnation,
+            tasks=self.cfg.tasks,
+            reward_kwargs={"role_scale": dict(self.cfg.reward_scale)} if self.cfg.reward_scale else None,
+        )
         self.held_out = self.runner.held_out_tasks(self.cfg.eval_tasks)
         self.sender.start()
         t0 = time.time()

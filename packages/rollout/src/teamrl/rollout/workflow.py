@@ -652,8 +652,12 @@ class AdditionReward:
 
     Solver acts: 1 if their answer is the sum. Verifier acts: 1 for a correct verdict on the
     candidate of the solver act they read. Turn reward: the turn's last solver act; trajectory
-    reward: the final solver act.
+    reward: the final solver act. ``role_scale`` multiplies a role's step scores (e.g.
+    ``{"verifier": 10}``: agents with different reward scales, the case Dr. MAS is about).
     """
+
+    def __init__(self, role_scale: Mapping[str, float] | None = None) -> None:
+        self.role_scale = dict(role_scale or {})
 
     def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
         from teamrl.rewards import addition
@@ -666,6 +670,8 @@ class AdditionReward:
                 scores.append(addition.verifier_reward(dict(task), cand, a.text))
             else:  # scored on the candidate the verifier sees, as ``teamrl run`` does
                 scores.append(addition.solver_reward(dict(task), a.output))
+        if self.role_scale:
+            scores = [x * self.role_scale.get(a.role, 1.0) for x, a in zip(scores, acts, strict=True)]
         return _outcome(acts, scores, "solver")
 
 
