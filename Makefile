@@ -27,7 +27,7 @@ bench: setup
 # The README's results (a)-(d): full runs, about 40 minutes on 2 cores.
 bench-results: setup
 	$(PY) tests/bench/compare_runs.py mode
-	$(PY) tests/bench/compare_runs.py algorithm --steps 40
+	$(PY) tests/bench/compare_runs.py algorithm --steps 40 --reward-scale verifier=10
 	$(PY) tests/bench/compare_runs.py update-order --steps 40
 	$(PY) tests/bench/rollout_scaling.py
 
