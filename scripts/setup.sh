@@ -64,6 +64,11 @@ import deepspeed, peft, pyarrow, zmq, msgpack, prometheus_client  # noqa: F401,E
 import vllm  # noqa: F401
 print("[setup] imports ok: transformers, vllm, deepspeed, peft, pyarrow, zmq")
 PYEOF
+# DeepSpeed JIT-builds its CPU shared-memory op at the first init_distributed; do it once here, so
+# concurrent learner processes (tests, `teamrl run`) never race for the build lock.
+[ "$EXTRA" = cpu ] && DS_ACCELERATOR=cpu .venv/bin/python -c \
+  "from teamrl.learner.engine import init_distributed; init_distributed('cpu'); print('[setup] DeepSpeed CPU op built')" \
+  2>&1 | grep '^\[setup\]' || true
 install_chromium || true
 echo "$want" > "$STAMP"
 echo "[setup] done in $(( $(date +%s) - start )) s"

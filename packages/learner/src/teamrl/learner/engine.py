@@ -58,6 +58,7 @@ import math
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,12 +279,41 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    # One build folder per environment: two venvs sharing ~/.cache/torch_extensions rebuild the op
+    # over each other (the build file names the venv's paths) and race for the same lock.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    _clear_stale_build_lock()
     import deepspeed
     import torch.distributed as dist
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+STALE_LOCK_S = 600.0  # the CPU op builds in about a minute; a lock this old was left by a killed build
+
+
+def _clear_stale_build_lock() -> None:
+    """Remove a torch-extensions build lock left by a process killed mid-build.
+
+    DeepSpeed JIT-builds its CPU shared-memory op under a file lock; a build killed half-way leaves
+    the lock behind and every later ``init_distributed`` waits on it forever (measured: a learner
+    killed by a failing test hung all later learners on the machine)."""
+    import logging
+    import time as _time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for lock in root.glob("*/deepspeed_shm_comm/lock"):
+        try:
+            age = _time.time() - lock.stat().st_mtime
+            if age > STALE_LOCK_S:
+                lock.unlink()
+                logging.getLogger("teamrl.learner").warning(
+                    "removed a stale build lock %s (%.0f s old)", lock, age
+                )
+        except OSError:
+            pass
 
 
 def _world() -> tuple[int, int]:
