@@ -124,7 +124,9 @@ class Proc:
     def __init__(self, name: str, ns: str, argv: list[str], log: Path) -> None:
         self.name, self.log = name, log
         self._out = log.open("w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        dist = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+        env = {k: v for k, v in os.environ.items() if k not in dist}  # not an in-process test's rendezvous
+        env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.p = subprocess.Popen(
             ["ip", "netns", "exec", ns, *argv],
             stdout=self._out,
@@ -276,7 +278,8 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
                         f"{name} exited with {pr.p.returncode} while waiting for {what}:\n{pr.tail()}"
                     )
             time.sleep(2.0)
-        logs_tail = "\n".join(f"--- {n}\n{p.tail(15)}" for n, p in procs.items())
+        first = sorted(procs, key=lambda n: n != "learner")  # the learner's log is the one that says most
+        logs_tail = "\n".join(f"--- {n}\n{procs[n].tail(15)}" for n in first)
         pytest.fail(f"no {what} after {seconds:.0f} s\n{logs_tail}")
 
     def rollout_argv(i: int) -> list[str]:

@@ -28,6 +28,8 @@ from teamrl.protocol.zmq_transport import WeightsSubscriber, ZmqDataSender, late
 
 pytestmark = pytest.mark.slow
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
+
 
 def free_port(pair: bool = False) -> int:
     while True:
@@ -81,14 +83,22 @@ def groups(n_groups: int, size: int, start: int, rng: np.random.Generator) -> li
     return out
 
 
-def wait_for(pred, timeout: float, what: str):
+def wait_for(pred, timeout: float, what: str, logs: Path | None = None, proc=None):
     deadline = time.monotonic() + timeout
+    why = f"timed out waiting for {what}"
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
+        if proc is not None and proc.poll() is not None:
+            why = f"the learner exited with {proc.returncode} while waiting for {what}"
+            break
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    tails = ""
+    if logs is not None:  # a timeout says nothing by itself: show what the services printed
+        for log in sorted(logs.glob("*.log")):
+            tails += f"\n--- {log.name}\n" + log.read_text(errors="replace")[-2500:]
+    raise AssertionError(why + tails)
 
 
 def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path) -> None:
@@ -100,7 +110,9 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         '[learner]\nbatch_size = 8\nlogprob_tolerance = 100.0\npublish_mode = "inline"\n'
         "checkpoint_interval = 2\nlr = 1e-3\n"
     )
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    # Not the rendezvous that an in-process test of this session wrote into os.environ: the learner
+    # would read WORLD_SIZE=1 and a MASTER_PORT this process's TCPStore still holds (EADDRINUSE).
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS} | {"DS_ACCELERATOR": "cpu"}
     logs = tmp_path / "logs"
     logs.mkdir()
     cli = [sys.executable, "-m", "teamrl.cli.main"]
@@ -173,9 +185,9 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
                 seen.append(msg.version)
             return seen and seen[-1] >= upto
 
-        wait_for(lambda: announced(2), 240, "versions 1 and 2")
+        wait_for(lambda: announced(2), 240, "versions 1 and 2", logs, learner)
         ckpt = run / "checkpoints" / "step-000002" / "DONE"
-        wait_for(ckpt.is_file, 60, "the step-2 checkpoint")
+        wait_for(ckpt.is_file, 60, "the step-2 checkpoint", logs, learner)
         learner.send_signal(signal.SIGKILL)  # no chance to flush anything
         learner.wait(30)
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -192,7 +204,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
             env=env,
         )
         # announcements are read while the learner lives, as a rollout would (gaps healed via latest)
-        wait_for(lambda: announced(3), 240, "version 3 after the restart")
+        wait_for(lambda: announced(3), 240, "version 3 after the restart", logs, learner)
         learner.send_signal(signal.SIGTERM)  # waiting for data: checkpoint and exit 0
         assert learner.wait(60) == 0, (logs / "learner-2.log").read_text()[-3000:]
         log2 = (logs / "learner-2.log").read_text()

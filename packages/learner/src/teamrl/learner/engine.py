@@ -279,6 +279,10 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    if os.environ.get("MASTER_ADDR", "").startswith(("127.", "localhost")):
+        # All ranks on this host: gloo must not pick its interface by resolving the hostname, which
+        # in a container or a network namespace can name an address that is not up (ranks then wait).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # One build folder per environment: two venvs sharing ~/.cache/torch_extensions rebuild the op
     # over each other (the build file names the venv's paths) and race for the same lock.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
