@@ -7,6 +7,9 @@ adapters that had rows, and the export must be a loadable PEFT folder.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -120,3 +123,41 @@ def test_ppo_critic_trains_the_value_head_and_reports_its_metrics(engine, level)
         n for n, p in eng.model.named_parameters() if "lora_B" in n and not torch.equal(p, lora_before[n])
     }
     assert moved and all(".solver-lora." in n for n in moved)
+
+
+def test_the_learner_side_judge_samples_the_base_and_refuses_text_its_vocabulary_lacks(engine):
+    from teamrl.learner.modelbuild import build
+    from teamrl.learner.profile_round import ProfileRound, judge_from_engine
+    from teamrl.rewards.profiles import PROPOSALS_REJECTED
+    from teamrl.rollout.tokenizer import TokenizerError
+
+    judge = judge_from_engine(engine, build(), max_new_tokens=6)
+    out = judge("S01+23=")  # the embedded character vocabulary: a real (tiny) sample
+    assert isinstance(out, str) and len(out) <= 6 and set(out) <= set("0123456789+=;?SVR")
+    with pytest.raises(TokenizerError):
+        judge("Rewrite the solver's profile.")  # English: the embedded model cannot be a judge
+    # ... and inside a profile round that is a counted rejection, not a crash
+    from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
+
+    def ep(i: int) -> GraphTrajectory:
+        step = AgentStep(
+            "solver",
+            "solver",
+            "m",
+            "solver-lora",
+            0,
+            0,
+            np.zeros(0, np.int32),
+            np.asarray([1, 2], np.int32),
+            np.asarray([3], np.int32),
+            np.asarray([-1.0], np.float32),
+            reward=float(i % 2),
+            response_text="5;",
+        )
+        return GraphTrajectory(f"e{i}", "inc", i, "t", "g", "math-duo", [step], reward=float(i % 2))
+
+    before = PROPOSALS_REJECTED.labels(reason="judge_error")._value.get()
+    with tempfile.TemporaryDirectory() as d:
+        rounds = ProfileRound(Path(d), judge, interval=1, fsync=False)
+        assert rounds.maybe_run(1, [ep(i) for i in range(4)]) is None
+    assert PROPOSALS_REJECTED.labels(reason="judge_error")._value.get() == before + 1

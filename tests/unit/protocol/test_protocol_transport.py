@@ -15,6 +15,7 @@ from teamrl.protocol.control import (
     BufferStatsRequest,
     ErrorReply,
     Probe,
+    ProfilesPublished,
     SampleRequest,
     UriWeights,
     WeightsPublished,
@@ -222,5 +223,40 @@ def test_weights_gap_is_healed_from_latest_endpoint():
     pub.publish(_weights(3))
     got = sub.poll(3000)
     assert got.version == 3 and sub.gaps == 1
+    sub.close()
+    pub.close()
+
+
+def _profiles(version: int) -> ProfilesPublished:
+    from teamrl.rewards.profiles import profiles_sha256
+
+    profiles = {"solver": f"You solve. Revision {version}."}
+    return ProfilesPublished(version=version, profiles=profiles, sha256=profiles_sha256(version, profiles))
+
+
+def test_profiles_travel_beside_weights_and_a_gap_is_healed():
+    pub = WeightsPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    sub = WeightsSubscriber(pub.pub_endpoint, pub.latest_endpoint)
+    assert sub.latest_profiles() is None  # nothing yet: an ErrorReply, read as None
+    pub.publish_profiles(_profiles(0))
+    assert sub.latest_profiles().version == 0  # start-up: ask explicitly
+    time.sleep(0.3)  # SUB joins
+    pub.publish_profiles(_profiles(1))
+    pub.publish(_weights(1))
+    got = sub.poll(3000)  # the profile announcement comes first and is kept aside
+    deadline = time.time() + 3
+    while got is None and time.time() < deadline:
+        got = sub.poll(200)
+    assert got is not None and got.version == 1  # poll still returns weights only
+    taken = sub.take_profiles()
+    assert taken is not None and taken.version == 1 and sub.take_profiles() is None
+    pub._latest_profiles = _profiles(2)  # v2 "lost" on PUB; v3 arrives: a gap, healed via latest
+    pub.publish_profiles(_profiles(3))
+    deadline = time.time() + 3
+    while (taken := sub.take_profiles()) is None and time.time() < deadline:
+        sub.poll(200)
+    assert taken.version == 3 and sub.gaps == 1
+    with pytest.raises(ValueError, match="only go up"):
+        pub.publish_profiles(_profiles(3))
     sub.close()
     pub.close()

@@ -500,6 +500,24 @@ def test_profile_prefix_anonymous_agents_and_stop_strings() -> None:
     assert be.calls[0]["sampling"].stop_token_ids == (14,)
 
 
+def test_with_profiles_changes_the_prompts_and_the_episode_records_the_version() -> None:
+    d = _wf()
+    d["agents"][0]["profile"] = "You propose."
+    wf = Workflow.from_dict(d)
+    assert wf.profiles() == {"a": "You propose."}
+    new = wf.with_profiles({"a": "Propose carefully.", "b": "Be brief."})
+    assert new.profiles() == {"a": "Propose carefully.", "b": "Be brief."} and wf.profiles() == {
+        "a": "You propose."
+    }
+    be = Scripted({"la": ["x"], "lb": ["y"], "lc": ["z"]}, tok=BYTES)
+    traj = episode(new, be, metadata={"profile_version": "4"})
+    assert BYTES.decode(traj.steps[0].prompt_ids) == "Propose carefully.\n\nA:07+45="
+    assert BYTES.decode(traj.steps[1].prompt_ids) == "Be brief.\n\nB:07+45="
+    assert traj.metadata["profile_version"] == "4" and traj.metadata["termination"]
+    with pytest.raises(WorkflowError, match="unknown agents"):
+        wf.with_profiles({"nobody": "x"})
+
+
 def test_with_sampling_makes_a_greedy_copy() -> None:
     wf = load("addition-duo")
     greedy = wf.with_sampling(temperature=0.0)
@@ -575,3 +593,53 @@ def test_reward_levels_are_filled_and_finite() -> None:
     assert [s.reward for s in traj.steps] == [1.0, 1.0] and traj.reward == 1.0
     assert traj.turn_rewards.dtype == np.float32 and traj.turn_rewards.tolist() == [1.0]
     assert all(math.isfinite(x) for s in traj.steps for x in s.logprobs)
+
+
+def _duo(credit: dict) -> Workflow:
+    d = load("addition-duo").model_dump()
+    d["credit"] = credit
+    return Workflow.from_dict(d)
+
+
+def test_credit_rules_equal_role_and_turn() -> None:
+    right = {"solver-lora": ["52;"], "verifier-lora": ["1;"]}
+    wrong_verdict = {"solver-lora": ["52;"], "verifier-lora": ["0;"]}
+    traj = episode(_duo({"rule": "equal"}), Scripted(right), tok=CHAR)
+    assert [s.reward for s in traj.steps] == [0.5, 0.5] and traj.metadata["credit"] == "equal"
+    traj = episode(
+        _duo({"rule": "role", "weights": {"solver": 1.0, "verifier": 0.5}}), Scripted(wrong_verdict), tok=CHAR
+    )
+    assert [s.reward for s in traj.steps] == [1.0, 0.5]  # verifier: 0.5 * team 1 + 0.5 * own 0
+    traj = episode(_duo({"rule": "turn", "gamma": 0.5}), Scripted(right), tok=CHAR)
+    assert [s.reward for s in traj.steps] == [1.0, 1.0] and traj.reward == 1.0
+    with pytest.raises(WorkflowError, match="credit weights"):
+        _duo({"rule": "role", "weights": {"solver": 1.0}})
+    with pytest.raises(WorkflowError, match="judge_model"):
+        _duo({"rule": "judge", "judge_model": "nope"})
+
+
+def test_judge_credit_apportions_by_the_model_and_falls_back_counted() -> None:
+    from teamrl.rewards.credit import JUDGE_FALLBACKS
+
+    answer = '{"credits": {"solver": 3, "verifier": 1}, "critique": "the solver carried it"}'
+    be = Scripted({"solver-lora": ["52;"], "verifier-lora": ["1;"], "": [answer]}, tok=BYTES)
+    traj = episode(_duo({"rule": "judge", "max_tokens": 64}), be, tok=BYTES)
+    assert [s.reward for s in traj.steps] == [0.75, 0.25]
+    assert traj.metadata["critique"] == "the solver carried it" and traj.metadata["credit_reason"] == "ok"
+    judge_call = be.calls[-1]
+    assert judge_call["adapter"] == "" and judge_call["sampling"].max_tokens == 64  # base weights
+    assert "Team reward: 1.0" in BYTES.decode(judge_call["prompt"])
+
+    before = {r: JUDGE_FALLBACKS.labels(r)._value.get() for r in ("unparsable", "untokenizable")}
+    be = Scripted(
+        {"solver-lora": ["52;"], "verifier-lora": ["1;"], "": ["I think the solver. {oops"]}, tok=BYTES
+    )
+    traj = episode(_duo({"rule": "judge"}), be, tok=BYTES)
+    assert [s.reward for s in traj.steps] == [0.5, 0.5] and traj.metadata["credit_reason"] == "unparsable"
+    # the embedded character vocabulary cannot encode the judge prompt: equal split, counted
+    traj = episode(
+        _duo({"rule": "judge"}), Scripted({"solver-lora": ["52;"], "verifier-lora": ["1;"]}), tok=CHAR
+    )
+    assert [s.reward for s in traj.steps] == [0.5, 0.5] and traj.metadata["credit_reason"] == "untokenizable"
+    assert JUDGE_FALLBACKS.labels("unparsable")._value.get() == before["unparsable"] + 1
+    assert JUDGE_FALLBACKS.labels("untokenizable")._value.get() == before["untokenizable"] + 1

@@ -150,6 +150,21 @@ class LearnerConfig(_Strict):
     max_steps: int = Field(1000, ge=1, description="stop after this many steps (0-based step < max_steps)")
     publish_interval: int = Field(1, ge=1, description="publish adapters every k steps")
     checkpoint_interval: int = Field(10, ge=1, description="checkpoint every k steps")
+    train_weights: bool = Field(
+        True, description="false = no weight update (profiles alone, with profile_interval > 0)"
+    )
+    profile_interval: int = Field(
+        0,
+        ge=0,
+        description="LangMARL: every k steps a judge rewrites agent profiles from the batch (0 = off)",
+    )
+    profile_workflow: str = Field(
+        "", description="workflow (name or TOML) whose profiles start the store; empty = the trajectories'"
+    )
+    profile_max_new_tokens: int = Field(512, ge=1, description="judge answer length, in tokens")
+    profile_max_staleness: int = Field(
+        2, ge=0, description="profile rounds read episodes of the last k+1 profile versions"
+    )
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
     inline_max_bytes: int = Field(
         8 * 1024 * 1024, ge=0, description="adapter payloads up to this size travel inline over ZeroMQ"
@@ -185,6 +200,8 @@ class LearnerConfig(_Strict):
             raise ValueError(f"agents overrides name unknown adapters {unknown}; known: {self.adapters}")
         if self.tis_mode == "mask" and self.tis_cap is None:
             raise ValueError("tis_mode='mask' needs a tis_cap")
+        if not self.train_weights and not self.profile_interval:
+            raise ValueError("train_weights = false trains nothing unless profile_interval > 0")
         return self
 
     def engine_kwargs(self) -> dict[str, Any]:

@@ -82,6 +82,17 @@ class LearnerService:
         self.version = 0
         self.stop_reason: str | None = None
         self._request_id = 0
+        self.profiles = None
+        if cfg.profile_interval and self.rank == 0:
+            from teamrl.learner.profile_round import ProfileRound, judge_from_engine
+
+            self.profiles = ProfileRound(
+                run_dir / "profiles",
+                judge_from_engine(self.engine, self.model, cfg.profile_max_new_tokens, cfg.seed),
+                cfg.profile_interval,
+                workflow=cfg.profile_workflow,
+                max_staleness=cfg.profile_max_staleness,
+            )
         self.tb = None
         if tensorboard is not None and self.rank == 0:
             from teamrl.learner.tensorboard import EventWriter
@@ -246,6 +257,10 @@ class LearnerService:
         t_begin = float(os.environ.get("TEAMRL_RUN_T0", time.time()))
         if self.publisher is not None and self.version > 0:
             self.publish([])  # a resumed learner re-announces its version: rollouts may have restarted
+        if self.publisher is not None and self.profiles is not None:
+            latest = self.profiles.latest()
+            if latest is not None and latest.version > 0:
+                self.publisher.publish_profiles(latest)  # served on the latest endpoint too
         try:
             while self.step < self.cfg.max_steps and self.stop_reason is None:
                 try:
@@ -285,10 +300,19 @@ class LearnerService:
                 M.VERSION_LAG.observe(max(0, self.version - s.policy_version))
         # the weights held now are exactly version ``self.version`` only right after a publish
         fresh = self.version if self.step % self.cfg.publish_interval == 0 else None
-        res = self.engine.train_step(trajectories, self.step, self.version, fresh_version=fresh)
+        metrics_of_step: dict[str, Any] = {}
+        if self.cfg.train_weights:
+            metrics_of_step = self.engine.train_step(
+                trajectories, self.step, self.version, fresh_version=fresh
+            ).metrics
         self.step += 1
         pub: dict[str, float] = {}
-        if self.step % self.cfg.publish_interval == 0:
+        if self.profiles is not None:
+            new_profiles = self.profiles.maybe_run(self.step, trajectories)
+            if new_profiles is not None and self.publisher is not None:
+                self.publisher.publish_profiles(new_profiles)
+            pub["profile_version"] = float(getattr(self.profiles.latest(), "version", 0))
+        if self.cfg.train_weights and self.step % self.cfg.publish_interval == 0:
             self.version += 1
             if self.publisher is not None:
                 pub = self.publish(trajectories)
@@ -296,8 +320,8 @@ class LearnerService:
         M.STEPS.inc()
         M.STEP_SECONDS.observe(dt)
         M.DATA_WAIT_RATIO.set(waited / dt if dt > 0 else 0.0)
-        M.TOKENS_PER_SECOND.set(res.metrics.get("tokens_per_s", 0.0))
-        for key, value in res.metrics.items():
+        M.TOKENS_PER_SECOND.set(metrics_of_step.get("tokens_per_s", 0.0))
+        for key, value in metrics_of_step.items():
             head, _, agent = key.partition("/")
             if agent and head in M.PER_AGENT and math.isfinite(value):
                 M.PER_AGENT[head].labels(agent).set(value)
@@ -319,7 +343,7 @@ class LearnerService:
             "sample_wait_seconds": waited,
             "step_seconds": dt,
             **pub,
-            **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
+            **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
         }
 
     def close(self) -> None:

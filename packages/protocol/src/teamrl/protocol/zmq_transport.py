@@ -35,7 +35,9 @@ from teamrl.protocol import metrics
 from teamrl.protocol.control import (
     Ack,
     ErrorReply,
+    LatestProfilesRequest,
     LatestWeightsRequest,
+    ProfilesPublished,
     WeightsPublished,
     _Message,
     pack_message,
@@ -537,6 +539,7 @@ class WeightsPublisher:
     """
 
     TOPIC = b"weights"
+    PROFILES_TOPIC = b"profiles"  # LangMARL profile versions share the socket; their version is the sequence
 
     def __init__(
         self, pub_endpoint: str, latest_endpoint: str, *, curve: CurveKeys | None = None, hwm: int = 16
@@ -551,6 +554,7 @@ class WeightsPublisher:
         self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()
         self._latest: WeightsPublished | None = None
+        self._latest_profiles: ProfilesPublished | None = None
         self._seq = 0
         self._rpc = RpcServer(latest_endpoint, self._serve_latest, curve=curve)
         self.latest_endpoint = self._rpc.endpoint
@@ -559,11 +563,29 @@ class WeightsPublisher:
         self._thread.start()
 
     def _serve_latest(self, msg: _Message) -> _Message:
+        if isinstance(msg, LatestProfilesRequest):
+            with self._lock:
+                profiles = self._latest_profiles
+            return profiles if profiles is not None else ErrorReply(reason="no_profiles_yet")
         if not isinstance(msg, LatestWeightsRequest):
             return ErrorReply(reason="unexpected_request", message=f"latest endpoint got {msg.type!r}")
         with self._lock:
             latest = self._latest
         return latest if latest is not None else ErrorReply(reason="no_weights_yet")
+
+    def publish_profiles(self, msg: ProfilesPublished) -> ProfilesPublished:
+        """Announce a profile version (versions go up by one: a subscriber sees a gap and asks)."""
+        with self._lock:
+            if self._latest_profiles is not None and msg.version <= self._latest_profiles.version:
+                raise ValueError(
+                    f"profile version {msg.version} after {self._latest_profiles.version}: versions only go up"
+                )
+            self._latest_profiles = msg
+        try:
+            self._pub.send_multipart([self.PROFILES_TOPIC, pack_message(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            metrics.count_rejection("announce_dropped")
+        return msg
 
     def publish(self, msg: WeightsPublished) -> WeightsPublished:
         with self._lock:
@@ -608,11 +630,39 @@ class WeightsSubscriber:
         )
         _secure_client(self._sub, curve)
         self._sub.setsockopt(zmq.SUBSCRIBE, WeightsPublisher.TOPIC)
+        self._sub.setsockopt(zmq.SUBSCRIBE, WeightsPublisher.PROFILES_TOPIC)
         self._sub.connect(pub_endpoint)
         self._rpc = RpcClient(latest_endpoint, timeout_ms=timeout_ms, curve=curve)
         self._last_seq: int | None = None
         self._last_version = -1
         self.gaps = 0
+        self._profiles: ProfilesPublished | None = None  # newest received, not yet taken
+        self._profile_version = -1  # newest received or taken
+
+    def latest_profiles(self, timeout_ms: int | None = None) -> ProfilesPublished | None:
+        """The publisher's newest profile version (None: none yet); raises PeerTimeout."""
+        reply = self._rpc.call(LatestProfilesRequest(have_version=self._profile_version), timeout_ms)
+        return reply if isinstance(reply, ProfilesPublished) else None
+
+    def take_profiles(self) -> ProfilesPublished | None:
+        """The newest profile announcement received by ``poll`` since the last call, or None."""
+        msg, self._profiles = self._profiles, None
+        return msg
+
+    def _got_profiles(self, msg: ProfilesPublished) -> None:
+        if msg.version <= self._profile_version:
+            return
+        if self._profile_version >= 0 and msg.version != self._profile_version + 1:
+            self.gaps += 1
+            metrics.WEIGHT_ANNOUNCE_GAPS.inc()
+            try:
+                newest = self.latest_profiles()
+            except PeerTimeout:
+                newest = None
+            if newest is not None and newest.version > msg.version:
+                msg = newest
+        self._profile_version = msg.version
+        self._profiles = msg
 
     def latest(self, timeout_ms: int | None = None) -> WeightsPublished | None:
         reply = self._rpc.call(LatestWeightsRequest(have_version=self._last_version), timeout_ms)
@@ -638,6 +688,9 @@ class WeightsSubscriber:
             msg = unpack_message(parts[1])
         except ProtocolError:
             return None  # counted
+        if parts[0] == WeightsPublisher.PROFILES_TOPIC and isinstance(msg, ProfilesPublished):
+            self._got_profiles(msg)  # kept for take_profiles(); poll returns weights only
+            return None
         if not isinstance(msg, WeightsPublished):
             metrics.count_rejection(ENVELOPE_REASON)
             return None

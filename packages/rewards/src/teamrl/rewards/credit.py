@@ -38,6 +38,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
+
+JUDGE_FALLBACKS = Counter(
+    "teamrl_credit_judge_fallbacks",
+    "Judge credit assignments that fell back to equal split, by reason (unparsable, untokenizable).",
+    ["reason"],
+)
+
 
 def _unique(agent_ids: Sequence[str]) -> list[str]:
     seen: dict[str, None] = {}
@@ -167,6 +175,7 @@ class JudgeCredit:
         except ValueError as exc:
             with self._lock:
                 self.fallbacks += 1
+            JUDGE_FALLBACKS.labels("unparsable").inc()
             return CreditResult(
                 equal_split(team_reward, agents), "judge_unparsable", error=str(exc), raw=str(answer)[:500]
             )

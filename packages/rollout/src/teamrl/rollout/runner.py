@@ -81,6 +81,13 @@ class WorkflowRunner:
             k = max(1, len(all_tasks) // 10) if len(all_tasks) > 1 else 0
             self.train, self.held = all_tasks[: len(all_tasks) - k], all_tasks[len(all_tasks) - k :]
         self._seq = 0
+        self.profile_version = -1  # -1: the workflow's own profiles; else the LangMARL version applied
+
+    def set_profiles(self, version: int, profiles: dict[str, str]) -> None:
+        """Use these agent profiles (system prompts) from now on; episodes in flight keep theirs."""
+        self.workflow = self.workflow.with_profiles(profiles)
+        self.greedy = self.greedy.with_profiles(profiles)
+        self.profile_version = version
 
     def train_tasks(self, replica: int, num_replicas: int) -> list[dict]:
         return shard(self.train, replica, num_replicas)
@@ -102,6 +109,7 @@ class WorkflowRunner:
             incarnation=self.incarnation,
             seq=self._seq - 1,
             group_id=group_id,
+            metadata={"profile_version": str(self.profile_version)} if self.profile_version >= 0 else None,
         )
 
     async def evaluate(self, tasks: list[dict]) -> dict[str, float]:

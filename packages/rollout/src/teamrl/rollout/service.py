@@ -290,6 +290,24 @@ class RolloutService:
             M.POLICY_VERSION.labels(name).set(v)
         M.VERSION_LAG.set(max(0, self.announced_version - self.engine.version))
 
+    def apply_profiles(self, msg: Any) -> bool:
+        """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
+        from teamrl.rewards.profiles import UPDATES_REFUSED, ProfilesRefused, apply_profiles
+        from teamrl.rollout.workflow import WorkflowError
+
+        try:
+            profiles = apply_profiles(self.runner.workflow.profiles(), msg, self.runner.profile_version)
+            self.runner.set_profiles(msg.version, profiles)
+        except ProfilesRefused as e:  # counted by apply_profiles
+            log.warning("profiles v%d refused (%s): %s", msg.version, e.reason, e)
+            return False
+        except WorkflowError as e:
+            UPDATES_REFUSED.labels(reason="unknown_agent").inc()
+            log.warning("profiles v%d refused (unknown_agent): %s", msg.version, e)
+            return False
+        log.info("profiles v%d live for %s", msg.version, ", ".join(sorted(msg.profiles)))
+        return True
+
     async def weights_loop(self) -> None:
         from teamrl.protocol.errors import PeerTimeout
         from teamrl.protocol.zmq_transport import WeightsSubscriber, latest_endpoint_for
@@ -303,6 +321,12 @@ class RolloutService:
             if first is not None:
                 sub._accept(first)
                 await self.apply_weights(first)
+            try:
+                profiles = await asyncio.to_thread(sub.latest_profiles, 1000)
+            except PeerTimeout:
+                profiles = None
+            if profiles is not None:
+                self.apply_profiles(profiles)
             last_heard = time.monotonic()
             while not self.stopping:
                 msg = await asyncio.to_thread(sub.poll, 200)
@@ -316,6 +340,16 @@ class RolloutService:
                         newest = None
                     if newest is not None and newest.version > self.engine.version:
                         msg = newest
+                    try:
+                        lp = await asyncio.to_thread(sub.latest_profiles, 1000)
+                    except PeerTimeout:
+                        lp = None
+                    if lp is not None and lp.version > self.runner.profile_version:
+                        self.apply_profiles(lp)
+                profiles = sub.take_profiles()
+                if profiles is not None:
+                    last_heard = time.monotonic()
+                    self.apply_profiles(profiles)
                 if msg is not None:
                     last_heard = time.monotonic()
                     await self.apply_weights(msg)

@@ -17,7 +17,14 @@ A workflow is MARFT's Flex-MG made concrete. It has
 * **termination rules**: ``turns`` and ``stop_when`` (static), ``end`` routes and ``max_steps``
   (dynamic);
 * **a reward function** (``reward``) from the episode's texts to step, turn and trajectory rewards
-  (UnityMAS-O's three levels), built on ``teamrl.rewards``.
+  (UnityMAS-O's three levels), built on ``teamrl.rewards``;
+* **credit assignment** (``credit``, optional): how the team outcome becomes each step's reward,
+  ``reward`` (as the reward function gave, the default), ``equal`` (R / n agents), ``role``
+  (``w R + (1 - w) r_i`` with the agent's own reward), ``turn`` (discounted returns-to-go of the turn
+  rewards) or ``judge`` (LangMARL: a model of the workflow, with its base weights, reads the episode
+  and apportions R; its critique goes to ``metadata["critique"]``; an unparsable answer or text the
+  tokenizer cannot encode falls back to ``equal``, counted in
+  ``teamrl_credit_judge_fallbacks_total{reason}``).
 
 Parents (D(a_i, a_j) of one episode) are exactly the steps whose outputs the prompt contains: the
 template's ``{out[<node>]}`` references, or every readable step for ``{parents}``. Load-time
@@ -68,7 +75,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from teamrl.protocol.trajectory import AgentStep, GraphTrajectory, ToolCall
-from teamrl.rollout.tokenizer import Tokenizer
+from teamrl.rollout.tokenizer import Tokenizer, TokenizerError
 from teamrl.rollout.tools import TOOL_STOP, Tool, build_tool, format_result, parse_tool_call
 
 END = "end"
@@ -181,6 +188,19 @@ class RewardSpec(_Strict):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class CreditSpec(_Strict):
+    """From the episode outcome to per-step rewards (``teamrl.rewards.credit``)."""
+
+    rule: Literal["reward", "equal", "role", "turn", "judge"] = "reward"
+    weights: dict[str, float] | float = Field(
+        1.0, description="role: team-reward weight w per agent (or one for all), in [0, 1]"
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="turn: discount of later turns' rewards")
+    judge_model: str = Field("", description="judge: model id of this workflow (default: the first agent's)")
+    max_tokens: int = Field(256, ge=1, description="judge: answer length in tokens")
+    temperature: float = Field(0.0, ge=0.0, description="judge: sampling temperature")
+
+
 class TaskSource(_Strict):
     """Where the workflow's tasks come from by default (``teamrl.rollout.workflows.load_tasks``)."""
 
@@ -203,6 +223,7 @@ class Workflow(_Strict):
     graph: GraphSpec = Field(default_factory=GraphSpec)
     tools: dict[str, dict[str, Any]] = Field(default_factory=dict, description="name -> {kind, ...}")
     reward: RewardSpec | None = None
+    credit: CreditSpec = Field(default_factory=CreditSpec)
     tasks: TaskSource = Field(default_factory=TaskSource)
 
     _reward_fn: Any = PrivateAttr(None)  # built on first use, then shared by every episode
@@ -278,6 +299,24 @@ class Workflow(_Strict):
         data = self.model_dump()
         for a in data["agents"]:
             a["sampling"].update(overrides)
+        return Workflow.from_dict(data)
+
+    def profiles(self) -> dict[str, str]:
+        """``{agent_id: profile}`` of the agents that have one (anonymous agents are left out)."""
+        return {a.id: a.profile for a in self.agents if a.profile}
+
+    def with_profiles(self, profiles: Mapping[str, str]) -> Workflow:
+        """A copy whose agents named in ``profiles`` get those system prompts (LangMARL's update).
+
+        Agents not named keep theirs; a name that is no agent of this workflow is a WorkflowError."""
+        known = {a.id for a in self.agents}
+        unknown = sorted(set(profiles) - known)
+        if unknown:
+            raise WorkflowError(f"workflow {self.name!r}: profiles for unknown agents {unknown}")
+        data = self.model_dump()
+        for a in data["agents"]:
+            if a["id"] in profiles:
+                a["profile"] = profiles[a["id"]]
         return Workflow.from_dict(data)
 
     # ------------------------------------------------------------------ built parts (cached)
@@ -419,6 +458,20 @@ def _validate(wf: Workflow) -> None:
     for tname, spec in wf.tools.items():
         if spec.get("kind") not in ("python", "bm25"):
             raise WorkflowError(f"workflow {name!r}: tool {tname!r} has unknown kind {spec.get('kind')!r}")
+    agent_ids = {a.id for a in wf.agents}
+    if wf.credit.rule == "role" and isinstance(wf.credit.weights, dict):
+        missing = sorted(agent_ids - set(wf.credit.weights))
+        bad = {k: v for k, v in wf.credit.weights.items() if not 0.0 <= v <= 1.0}
+        if missing or bad or set(wf.credit.weights) - agent_ids:
+            raise WorkflowError(
+                f"workflow {name!r}: credit weights need each agent once, each in [0, 1] "
+                f"(missing {missing}, out of range {bad}, unknown {sorted(set(wf.credit.weights) - agent_ids)})"
+            )
+    if wf.credit.judge_model and wf.credit.judge_model not in wf.models:
+        raise WorkflowError(
+            f"workflow {name!r}: credit judge_model {wf.credit.judge_model!r} is not one of its models "
+            f"{sorted(wf.models)}"
+        )
     if wf.reward is not None and wf.reward.name not in REWARD_FUNCTIONS and ":" not in wf.reward.name:
         raise WorkflowError(
             f"workflow {name!r}: unknown reward {wf.reward.name!r} (known: {sorted(REWARD_FUNCTIONS)})"
@@ -986,6 +1039,7 @@ async def run_episode(
     seq: int,
     group_id: str,
     versions: Mapping[str, int] | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> GraphTrajectory:
     """Run one episode of ``workflow`` on ``task`` and return its graph trajectory with rewards.
 
@@ -994,7 +1048,8 @@ async def run_episode(
     model id. ``seed``: act ``k`` samples with ``seed + k`` (tool round ``r`` adds ``100003 r``);
     ``None`` leaves sampling unseeded. ``versions``: the adapter versions the caller expects
     (recorded in ``metadata['versions']``); each step records the version its ``Generation``
-    reports. Cancellation propagates (``asyncio.CancelledError``); nothing partial is returned.
+    reports. ``metadata``: extra string entries for the trajectory (e.g. ``profile_version``).
+    Cancellation propagates (``asyncio.CancelledError``); nothing partial is returned.
     """
     for model_id in {a.model for a in workflow.agents}:  # fail before generating anything
         _backend_for(backend, model_id)
@@ -1029,10 +1084,12 @@ async def run_episode(
             raise WorkflowError(
                 f"reward {workflow.reward.name!r} returned {len(rewards.acts)} act rewards for {len(acts)} acts"
             )
+    act_credit, credit_meta = await _assign_credit(workflow, views, rewards, backend, tokenizers, seed)
     for i, a in enumerate(acts):
         for st in a.steps:
-            st.reward = float(rewards.acts[i])
-    metadata = {"termination": termination, "seed": "" if seed is None else str(seed)}
+            st.reward = float(act_credit[i])
+    extra = {**credit_meta, **dict(metadata or {})}
+    metadata = {"termination": termination, "seed": "" if seed is None else str(seed), **extra}
     if versions is not None:
         metadata["versions"] = json.dumps(dict(versions), sort_keys=True)
     return GraphTrajectory(
@@ -1047,6 +1104,60 @@ async def run_episode(
         turn_rewards=np.asarray(rewards.turns, np.float32),
         metadata=metadata,
     )
+
+
+async def _assign_credit(
+    wf: Workflow,
+    views: list[ActView],
+    rewards: EpisodeRewards,
+    backend: Any,
+    tokenizers: Any,
+    seed: int | None,
+) -> tuple[list[float], dict[str, str]]:
+    """Each act's reward under ``wf.credit`` and the metadata it adds (rule, critique)."""
+    from teamrl.rewards import credit as C
+    from teamrl.rollout.engine import Sampling
+
+    spec, acts_r, team = wf.credit, list(rewards.acts), float(rewards.trajectory)
+    if spec.rule == "reward" or not views:
+        return acts_r, {}
+    agents = [v.agent_id for v in views]
+    meta = {"credit": spec.rule}
+    if spec.rule == "turn":
+        returns = C.turn_discount(rewards.turns, spec.gamma)
+        return [returns[v.turn] if v.turn < len(returns) else 0.0 for v in views], meta
+    if spec.rule == "role":
+        own: dict[str, list[float]] = {}
+        for v, r in zip(views, acts_r, strict=True):
+            own.setdefault(v.agent_id, []).append(float(r))
+        by = C.per_role(team, {a: sum(x) / len(x) for a, x in own.items()}, spec.weights)
+        return [by[a] for a in agents], meta
+    if spec.rule == "equal":
+        by = C.equal_split(team, agents)
+        return [by[a] for a in agents], meta
+    # judge: a model of this workflow, base weights, reads the transcript and apportions the outcome
+    model_id = spec.judge_model or wf.agents[0].model
+    judge = C.JudgeCredit(generate=lambda prompt: prompt)  # used for its prompt only
+    steps = [{"agent_id": v.agent_id, "role": v.role, "text": v.text} for v in views]
+    prompt = judge.build_prompt(steps, "success" if team > 0 else "failure", team)
+    reason, critique = "ok", ""
+    try:
+        tok = _tokenizer_for(tokenizers, model_id)
+        ids = tok.chat([{"role": "user", "content": prompt}]) or tok.encode(prompt)
+        samp = Sampling(max_tokens=spec.max_tokens, temperature=spec.temperature)
+        gen = await _backend_for(backend, model_id).generate(ids, samp, adapter="", seed=seed)
+        shares, critique = C.parse_judge_answer(gen.text, list(dict.fromkeys(agents)))
+        total = sum(shares.values())
+        by = {a: team * shares[a] / total for a in shares}
+    except TokenizerError:  # the model's vocabulary cannot read the judge prompt (the embedded model)
+        reason = "untokenizable"
+    except ValueError:  # an answer that is no credit object
+        reason = "unparsable"
+    if reason != "ok":
+        C.JUDGE_FALLBACKS.labels(reason).inc()
+        by = C.equal_split(team, agents)
+    meta.update(credit_reason=reason, **({"critique": critique} if critique else {}))
+    return [by[a] for a in agents], meta
 
 
 def _new_act(acts: list[_Act], node: str, agent: AgentSpec, turn: int, seed: int | None) -> _Act:

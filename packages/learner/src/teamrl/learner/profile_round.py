@@ -1,0 +1,136 @@
+"""LangMARL in the learner loop: agent profiles improved in language space, beside (or instead of) weights.
+
+Every ``interval`` learner steps, rank 0 runs one :func:`teamrl.rewards.profiles.improve_profiles`
+round on the trajectories it just trained on: a judge model reads each agent's best and worst
+episodes with their credits and critiques and rewrites that agent's profile (system prompt). An
+accepted version is stored under ``<run-dir>/profiles`` (one JSON file per version, never deleted)
+and announced on the learner's weights socket (topic ``profiles``); rollouts check its sha256, swap
+their workflow's profiles for new episodes and record ``metadata["profile_version"]`` in each
+trajectory. ``[learner] profile_interval = 0`` (the default) turns this off; ``lr = 0`` trains
+profiles alone (the weights then never change).
+
+The judge is the learner's base model with its adapters disabled, sampled through
+:meth:`LearnerEngine.sample` and the model folder's tokenizer (``judge_from_engine``), or any
+``str -> str`` callable passed in. On the embedded model (a character vocabulary of digits and
+``+=;?SVR``) the judge cannot read the English prompt: each round is refused with
+``judge_error`` and counted (``teamrl_profile_proposals_rejected_total``), the profiles stay as they
+are, and training goes on. A real instruction-tuned model folder is what this is for.
+
+Call sequence (what ``LearnerService`` does)::
+
+    rounds = ProfileRound(run_dir / "profiles", judge, interval=cfg.profile_interval)
+    msg = rounds.maybe_run(step, trajectories)        # after the weight step
+    if msg is not None:
+        publisher.publish_profiles(msg)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from teamrl.protocol.control import ProfilesPublished
+from teamrl.protocol.trajectory import GraphTrajectory
+
+log = logging.getLogger("teamrl.learner.profiles")
+
+
+def judge_from_engine(engine: Any, model_folder: str | Path, max_new_tokens: int, seed: int = 0) -> Callable:
+    """A ``str -> str`` judge: the learner's base model (adapters disabled), sampled at temperature 1."""
+    import torch
+
+    from teamrl.rollout.tokenizer import tokenizer_for
+
+    tok = tokenizer_for(model_folder)
+    gen = torch.Generator().manual_seed(seed)
+
+    def judge(prompt: str) -> str:
+        ids = tok.chat([{"role": "user", "content": prompt}]) or tok.encode(prompt)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else -1
+        ((out, _logps),) = engine.sample(None, [ids], max_new_tokens, eos, gen)
+        return tok.decode(out)
+
+    return judge
+
+
+def workflow_profiles(name: str) -> dict[str, str]:
+    """The profiles a workflow starts with: a built-in name or a TOML path."""
+    from teamrl.rollout.workflow import load_workflow
+    from teamrl.rollout.workflows import load
+
+    wf = load_workflow(name) if name.endswith(".toml") else load(name)
+    return wf.profiles()
+
+
+class ProfileRound:
+    """Runs one profile-improvement round every ``interval`` steps; never raises into the learner."""
+
+    def __init__(
+        self,
+        store_dir: Path,
+        judge: Callable[[str], Any],
+        interval: int,
+        *,
+        workflow: str = "",
+        max_staleness: int | None = 2,
+        fsync: bool = True,
+    ) -> None:
+        from teamrl.rewards.profiles import ProfileStore
+
+        if interval < 1:
+            raise ValueError(f"profile interval must be >= 1, got {interval}")
+        self.store = ProfileStore(store_dir, fsync=fsync)
+        self.judge = judge
+        self.interval = interval
+        self.workflow = workflow
+        self.max_staleness = max_staleness
+        self.rounds = 0
+        self.published = 0
+        self.failures = 0
+
+    def latest(self) -> ProfilesPublished | None:
+        """The newest stored version's announcement (re-announced after a learner restart)."""
+        v = self.store.latest()
+        return v.message() if v is not None else None
+
+    def maybe_run(self, step: int, trajectories: Sequence[GraphTrajectory]) -> ProfilesPublished | None:
+        """After learner step ``step`` (1-based count of steps done): a new version, or None."""
+        if step % self.interval or not trajectories:
+            return None
+        from teamrl.rewards.profiles import improve_profiles
+
+        self.rounds += 1
+        try:
+            initial = None
+            if self.store.latest() is None:
+                initial = workflow_profiles(self.workflow or trajectories[0].workflow)
+                if not initial:
+                    log.warning(
+                        "workflow %r has no agent profiles: nothing to improve", trajectories[0].workflow
+                    )
+                    return None
+            msg = asyncio.run(
+                improve_profiles(
+                    trajectories,
+                    self.store,
+                    self.judge,
+                    initial=initial,
+                    max_staleness=self.max_staleness,
+                )
+            )
+        # The fault boundary of the language learner: a failing round keeps the profiles and the
+        # weight training goes on; it is logged and counted here (the judge's own failures are
+        # counted by reason in teamrl_profile_proposals_rejected_total).
+        except Exception as exc:
+            self.failures += 1
+            log.warning("profile round at step %d failed: %s: %s", step, type(exc).__name__, exc)
+            return None
+        if msg is not None:
+            self.published += 1
+            log.info(
+                "profiles v%d stored and announced (agents %s)", msg.version, ", ".join(sorted(msg.profiles))
+            )
+        return msg

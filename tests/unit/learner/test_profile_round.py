@@ -1,0 +1,113 @@
+"""LangMARL wired end to end, without a GPU or vLLM: learner round -> store -> ZeroMQ -> rollout workflow.
+
+The judge here is scripted (this test is about the wiring, not about a model's prose); the real
+judge (``judge_from_engine``) is exercised by the learner service test on the embedded model,
+where it must fail cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from teamrl.learner.profile_round import ProfileRound
+from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
+from teamrl.protocol.zmq_transport import WeightsPublisher, WeightsSubscriber
+from teamrl.rewards.profiles import PROPOSALS_REJECTED, apply_profiles
+from teamrl.rollout.workflows import load
+
+
+def _episode(i: int, reward: float) -> GraphTrajectory:
+    steps = []
+    for k, agent in enumerate(("planner", "solver")):
+        steps.append(
+            AgentStep(
+                agent_id=agent,
+                role=agent,
+                model_id="m",
+                adapter=f"{agent}-lora",
+                policy_version=0,
+                turn=0,
+                parents=np.asarray([0] if k else [], np.int32),
+                prompt_ids=np.asarray([1, 2], np.int32),
+                response_ids=np.asarray([3], np.int32),
+                logprobs=np.asarray([-1.0], np.float32),
+                reward=reward,
+                response_text=f"{agent} says {i}",
+            )
+        )
+    return GraphTrajectory(
+        f"e{i}", "inc", i, "t", "g", "math-duo", steps, reward=reward, metadata={"task": f"2+{i}=?"}
+    )
+
+
+BATCH = [_episode(i, float(i % 2)) for i in range(6)]  # successes and failures for both agents
+
+
+def test_a_round_stores_announces_and_a_rollout_workflow_adopts_the_profiles(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def judge(prompt: str) -> str:
+        seen.append(prompt)
+        return "<summary>It skipped the check.</summary>\n<profile>\nCheck every step twice.\n</profile>"
+
+    rounds = ProfileRound(tmp_path / "profiles", judge, interval=2, fsync=False)
+    assert rounds.maybe_run(1, BATCH) is None and not seen  # not a round step
+    msg = rounds.maybe_run(2, BATCH)
+    assert msg is not None and msg.version == 1 and len(seen) == 2  # one judge call per agent
+    assert set(msg.profiles) == {"planner", "solver"}
+    assert msg.profiles["solver"] == "Check every step twice."
+    assert "solver says" in "".join(seen)  # the judge read the agents' messages
+    stored = json.loads((tmp_path / "profiles" / "v00000001.json").read_text())
+    assert stored["profiles"] == msg.profiles
+    assert (tmp_path / "profiles" / "v00000000.json").is_file()  # the workflow's own, as v0
+
+    pub = WeightsPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    sub = WeightsSubscriber(pub.pub_endpoint, pub.latest_endpoint)
+    try:
+        time.sleep(0.3)
+        pub.publish_profiles(msg)
+        deadline = time.time() + 5
+        while (got := sub.take_profiles()) is None and time.time() < deadline:
+            sub.poll(200)
+        assert got is not None and got.version == 1
+        wf = load("math-duo")
+        profiles = apply_profiles(wf.profiles(), got, have_version=-1)
+        new = wf.with_profiles(profiles)
+        assert {a.id: a.profile for a in new.agents}["solver"] == "Check every step twice."
+        assert sub.latest_profiles().version == 1  # a rollout started later gets it too
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_failing_or_unparsable_judge_keeps_the_profiles_and_training_goes_on(tmp_path: Path) -> None:
+    def broken(prompt: str) -> str:
+        raise RuntimeError("judge model is down")
+
+    before = PROPOSALS_REJECTED.labels(reason="judge_error")._value.get()
+    rounds = ProfileRound(tmp_path / "p", broken, interval=1, fsync=False)
+    assert rounds.maybe_run(1, BATCH) is None
+    assert PROPOSALS_REJECTED.labels(reason="judge_error")._value.get() == before + 2
+    assert rounds.latest().version == 0  # v0 only: the workflow's own profiles
+
+    rounds = ProfileRound(tmp_path / "q", lambda p: "no tags at all", interval=1, fsync=False)
+    assert rounds.maybe_run(1, BATCH) is None and rounds.failures == 0
+
+    rounds = ProfileRound(tmp_path / "r", lambda p: "x", interval=1, workflow="no-such-workflow", fsync=False)
+    assert rounds.maybe_run(1, BATCH) is None and rounds.failures == 1  # logged and counted, no raise
+
+
+def test_profiles_alone_needs_a_profile_interval() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from teamrl.learner.config import LearnerConfig
+
+    with pytest.raises(ValidationError, match="trains nothing"):
+        LearnerConfig(train_weights=False)
+    cfg = LearnerConfig(train_weights=False, profile_interval=3, profile_workflow="math-duo")
+    assert cfg.profile_interval == 3 and not cfg.train_weights
