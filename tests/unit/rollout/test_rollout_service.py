@@ -200,6 +200,33 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
         )
         assert metric(mport, "teamrl_rollout_policy_version", '{agent="solver-lora"}') == 1
 
+        # LangMARL profile announcements on the same socket: each bad one refused by reason, counted
+        from teamrl.protocol.control import ProfilesPublished
+        from teamrl.rewards.profiles import profiles_sha256
+
+        def profiles_msg(version: int, profiles: dict, sha: str | None = None) -> ProfilesPublished:
+            return ProfilesPublished(
+                version=version, profiles=profiles, sha256=sha or profiles_sha256(version, profiles)
+            )
+
+        bad_profiles = [
+            ("sha_mismatch", profiles_msg(1, {"solver": "S"}, sha="0" * 64)),
+            ("unknown_agent", profiles_msg(2, {"planner": "S"})),
+            ("untokenizable", profiles_msg(3, {"solver": "You are the solver."})),  # not the char vocabulary
+        ]
+        for reason, pmsg in bad_profiles:
+            publisher.publish_profiles(pmsg)
+            wait(
+                lambda r=reason: (
+                    metric(mport, "teamrl_profile_updates_refused_total", f'{{reason="{r}"}}') >= 1
+                ),
+                60,
+                f"profile refusal {reason}",
+            )
+        n_before = len(frames)
+        wait(lambda: len(frames) > n_before + 2, 60, "generation after the profile refusals")
+        assert not any("profile_version" in t.metadata for t in frames[-1])
+
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:

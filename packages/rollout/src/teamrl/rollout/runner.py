@@ -84,9 +84,14 @@ class WorkflowRunner:
         self.profile_version = -1  # -1: the workflow's own profiles; else the LangMARL version applied
 
     def set_profiles(self, version: int, profiles: dict[str, str]) -> None:
-        """Use these agent profiles (system prompts) from now on; episodes in flight keep theirs."""
-        self.workflow = self.workflow.with_profiles(profiles)
-        self.greedy = self.greedy.with_profiles(profiles)
+        """Use these agent profiles (system prompts) from now on; episodes in flight keep theirs.
+
+        Raises WorkflowError (an unknown agent) or TokenizerError (text the model's tokenizer cannot
+        encode, which would fail every later episode) and keeps the profiles in use."""
+        workflow = self.workflow.with_profiles(profiles)  # unknown agents first
+        for text in profiles.values():
+            self.tokenizer.encode(text + "\n\n", add_special=False)
+        self.workflow, self.greedy = workflow, self.greedy.with_profiles(profiles)
         self.profile_version = version
 
     def train_tasks(self, replica: int, num_replicas: int) -> list[dict]:

@@ -218,6 +218,7 @@ class RolloutService:
         self._evaluated: set[int] = set()
         self.fatal = False  # the engine died: exit non-zero so a supervisor restarts the service
         self._sampled_versions: set[int] = set()
+        self.profiles_seen = -1  # newest profile version applied or refused
 
     def not_ready_reason(self) -> str:
         if not self.started:
@@ -293,17 +294,20 @@ class RolloutService:
     def apply_profiles(self, msg: Any) -> bool:
         """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
         from teamrl.rewards.profiles import UPDATES_REFUSED, ProfilesRefused, apply_profiles
+        from teamrl.rollout.tokenizer import TokenizerError
         from teamrl.rollout.workflow import WorkflowError
 
+        self.profiles_seen = max(self.profiles_seen, msg.version)  # a refused version is not retried
         try:
             profiles = apply_profiles(self.runner.workflow.profiles(), msg, self.runner.profile_version)
             self.runner.set_profiles(msg.version, profiles)
         except ProfilesRefused as e:  # counted by apply_profiles
             log.warning("profiles v%d refused (%s): %s", msg.version, e.reason, e)
             return False
-        except WorkflowError as e:
-            UPDATES_REFUSED.labels(reason="unknown_agent").inc()
-            log.warning("profiles v%d refused (unknown_agent): %s", msg.version, e)
+        except (WorkflowError, TokenizerError) as e:
+            reason = "untokenizable" if isinstance(e, TokenizerError) else "unknown_agent"
+            UPDATES_REFUSED.labels(reason=reason).inc()
+            log.warning("profiles v%d refused (%s): %s", msg.version, reason, e)
             return False
         log.info("profiles v%d live for %s", msg.version, ", ".join(sorted(msg.profiles)))
         return True
@@ -344,7 +348,7 @@ class RolloutService:
                         lp = await asyncio.to_thread(sub.latest_profiles, 1000)
                     except PeerTimeout:
                         lp = None
-                    if lp is not None and lp.version > self.runner.profile_version:
+                    if lp is not None and lp.version > self.profiles_seen:
                         self.apply_profiles(lp)
                 profiles = sub.take_profiles()
                 if profiles is not None:
