@@ -18,7 +18,7 @@ from teamrl.rewards.code_reward import CodeReward, build_steps, extract_code
 from teamrl.rewards.errors import TaskFormatError
 from teamrl.rewards.sandbox import Limits, Step, run_python
 
-TIMEOUT_S = 1.5
+TIMEOUT_S = 4.0  # generous: a loaded CI machine starts a sandboxed interpreter slowly (1.5 s timed out once)
 ADD = "def add(a, b):\n    return a + b\n"
 TESTS = {"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(-1, 1) == 0"]}
 
@@ -148,7 +148,7 @@ def test_hostile_candidates_score_zero(code: CodeReward, name: str) -> None:
     res = code(source, TESTS)
     elapsed = time.monotonic() - t0
     assert (res.score, res.reason) == (0.0, reason), res.details
-    assert elapsed < TIMEOUT_S + 2.0
+    assert elapsed < TIMEOUT_S + 5.0  # bounded: the wall-clock kill works (not a speed check)
     assert res.details["all_passed"] is False
 
 
