@@ -109,6 +109,9 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         "checkpoint_interval_s = 0.1\n\n"
         '[learner]\nbatch_size = 8\nlogprob_tolerance = 100.0\npublish_mode = "inline"\n'
         "checkpoint_interval = 2\nlr = 1e-3\n"
+        # LangMARL rounds on: the embedded model cannot read the judge prompt, so each round is a
+        # counted judge_error and weight training must go on regardless
+        'profile_interval = 1\nprofile_workflow = "math-duo"\n'
     )
     # Not the rendezvous that an in-process test of this session wrote into os.environ: the learner
     # would read WORLD_SIZE=1 and a MASTER_PORT this process's TCPStore still holds (EADDRINUSE).
@@ -193,6 +196,8 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows[:2]] == [0, 1]
         assert [r["version"] for r in rows[:2]] == [1, 2]
+        assert [r["profile_version"] for r in rows[:2]] == [0.0, 0.0]  # v0 = math-duo's own profiles
+        assert "rejected (judge_error)" in (logs / "learner-1.log").read_text()
 
         for i in range(4, 6):  # one more batch: the restarted learner makes step 2, then waits
             sender.send(encode_trajectories(groups(1, 4, i, rng)))

@@ -307,11 +307,12 @@ class LearnerService:
             ).metrics
         self.step += 1
         pub: dict[str, float] = {}
+        profile_row: dict[str, float] = {}
         if self.profiles is not None:
             new_profiles = self.profiles.maybe_run(self.step, trajectories)
             if new_profiles is not None and self.publisher is not None:
                 self.publisher.publish_profiles(new_profiles)
-            pub["profile_version"] = float(getattr(self.profiles.latest(), "version", 0))
+            profile_row["profile_version"] = float(getattr(self.profiles.latest(), "version", 0))
         if self.cfg.train_weights and self.step % self.cfg.publish_interval == 0:
             self.version += 1
             if self.publisher is not None:
@@ -343,6 +344,7 @@ class LearnerService:
             "sample_wait_seconds": waited,
             "step_seconds": dt,
             **pub,
+            **profile_row,
             **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
         }
 
