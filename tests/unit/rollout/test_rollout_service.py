@@ -179,17 +179,20 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
                 announcement(1, InlineWeights(chunks=[payload]), sha, [e - 1.0 for e in expected]),
             ),
         ]
-        for reason, msg in bad:
-            publisher.publish(msg)
-            wait(
-                lambda r=reason: (
-                    metric(mport, "teamrl_rollout_adapter_load_failures_total", f'{{reason="{r}"}}') >= 1
-                ),
-                60,
-                f"refusal {reason}",
-            )
-        n_before = len(frames)
-        wait(lambda: len(frames) > n_before + 2, 60, "generation after the refusals")
+
+        def refused_each(send, bad_items, counter: str, what: str) -> None:
+            """Send each bad announcement, see its reason counted, then see generation go on."""
+            for reason, msg in bad_items:
+                send(msg)
+                wait(
+                    lambda r=reason: metric(mport, counter, f'{{reason="{r}"}}') >= 1,
+                    60,
+                    f"{what} refusal {reason}",
+                )
+            n_before = len(frames)
+            wait(lambda: len(frames) > n_before + 2, 60, f"generation after the {what} refusals")
+
+        refused_each(publisher.publish, bad, "teamrl_rollout_adapter_load_failures_total", "adapter")
         assert all(s.policy_version == 0 for fr in frames for t in fr for s in t.steps)
 
         publisher.publish(announcement(1, InlineWeights(chunks=[payload]), sha, expected))
@@ -214,17 +217,9 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
             ("unknown_agent", profiles_msg(2, {"planner": "S"})),
             ("untokenizable", profiles_msg(3, {"solver": "You are the solver."})),  # not the char vocabulary
         ]
-        for reason, pmsg in bad_profiles:
-            publisher.publish_profiles(pmsg)
-            wait(
-                lambda r=reason: (
-                    metric(mport, "teamrl_profile_updates_refused_total", f'{{reason="{r}"}}') >= 1
-                ),
-                60,
-                f"profile refusal {reason}",
-            )
-        n_before = len(frames)
-        wait(lambda: len(frames) > n_before + 2, 60, "generation after the profile refusals")
+        refused_each(
+            publisher.publish_profiles, bad_profiles, "teamrl_profile_updates_refused_total", "profile"
+        )
         assert not any("profile_version" in t.metadata for t in frames[-1])
 
         proc.send_signal(signal.SIGTERM)
