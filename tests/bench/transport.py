@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from teamrl.protocol import decode_trajectories, encode_trajectories_buffer, example_trajectories
-from teamrl.protocol.codec import decode_record_batches
+from teamrl.protocol.codec import decode_batches, decode_record_batches
 from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
 
 HWM = 64
@@ -168,7 +168,7 @@ def _recv_codec(conn: Connection, path: str, total: int, rounds: int, process: C
 def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> float:
     total = n_batches * rounds
     if path == "codec":
-        return _recv_codec(conn, "codec", total, rounds, decode_trajectories)
+        return _recv_codec(conn, "codec", total, rounds, decode_batches)
     if path == "frames":
         return _recv_codec(conn, "frames", total, rounds, lambda payload: None)
     if path == "raw":

@@ -12,6 +12,7 @@ import pytest
 from teamrl.learner import buffer as B
 from teamrl.learner.buffer import Refused, ReplayBuffer, Sample, SegmentStore
 from teamrl.learner.buffer_config import BufferConfig
+from teamrl.protocol.codec import decode_batches, decode_trajectories, encode_trajectories
 from teamrl.protocol.examples import example_trajectories
 from teamrl.protocol.trajectory import GraphTrajectory
 
@@ -62,7 +63,7 @@ def test_insert_admits_counts_and_dedups_by_source():
     assert [k for k, _ in res.accepted] == [0, 1, 2]
     assert buf.size == 3 and buf.inserted == 3
     assert counter(B.INSERTED) - before == 3
-    assert sum(buf.per_agent().values()) == sum(len(t.steps) for _, t in res.accepted)
+    assert sum(buf.per_agent().values()) == sum(len(r.trajectory().steps) for _, r in res.accepted)
     dups = counter(B.DUPLICATES)
     again = buf.insert(trajs(3), source=("inc-a", 0))
     assert again.duplicate and not again.accepted and buf.size == 3
@@ -392,3 +393,20 @@ def test_corrupt_segment_fails_loudly(tmp_path):
     seg.write_bytes(bytes(data))
     with pytest.raises(B.CorruptStore):
         persisted(tmp_path)
+
+
+def test_decoded_frames_are_kept_and_persisted_as_arrow_rows(tmp_path):
+    """A frame goes in as decoded batches; a partly admitted frame is persisted as just its rows."""
+    buf, store = persisted(tmp_path, max_policy_lag=4)
+    feed(buf, store, decode_batches(encode_trajectories(trajs(1, version=10))), ("p", 0))
+    frame = encode_trajectories(trajs(2, version=5, seed=1) + trajs(2, version=8, seed=2))
+    feed(buf, store, decode_batches(frame), ("p", 1))  # the two at version 5 are stale
+    assert buf.size == 3 and buf.rejected["stale"] == 2
+    store.checkpoint(buf.state_dict(0.0), buf.keys())
+    store.close()
+    buf2, _ = persisted(tmp_path, max_policy_lag=4)
+    assert ids(buf2.sample(8)) == ["ep-0-0", "ep-2-0", "ep-2-1"]
+    out = buf.sample(8)
+    got = decode_trajectories(out.encode())
+    assert [t.episode_id for t in got] == ["ep-0-0", "ep-2-0", "ep-2-1"]
+    assert [s.policy_version for t in got[1:] for s in t.steps] == [8] * sum(len(t.steps) for t in got[1:])

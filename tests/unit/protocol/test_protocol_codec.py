@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import subprocess
 import sys
@@ -24,7 +25,14 @@ from teamrl.protocol import (
     example_trajectories,
 )
 from teamrl.protocol import schema as S
-from teamrl.protocol.codec import decode_record_batches, to_record_batch
+from teamrl.protocol.codec import (
+    TrajectoryBatch,
+    decode_batches,
+    decode_record_batches,
+    encode_rows,
+    rows_record_batch,
+    to_record_batch,
+)
 from teamrl.protocol.metrics import rejected_count
 
 
@@ -236,3 +244,46 @@ def test_import_loads_no_torch_or_vllm():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_decode_batches_routes_without_objects_and_builds_them_on_demand():
+    trajs = example_trajectories(6, seed=4)
+    trajs[1].steps = []  # a trajectory without steps has versions (default, default)
+    frame = encode_trajectories(trajs)
+    (batch,) = decode_batches(frame)
+    assert len(batch) == 6 and batch._objects is None
+    row = batch.rows()[2]
+    t = trajs[2]
+    versions = [s.policy_version for s in t.steps]
+    assert (row.episode_id, row.group_id, row.reward) == (t.episode_id, t.group_id, t.reward)
+    assert row.versions(-7) == (min(versions), max(versions))
+    assert batch.rows()[1].versions(-7) == (-7, -7)
+    assert row.steps_per_agent() == dict(collections.Counter(s.agent_id for s in t.steps))
+    assert batch._objects is None  # nothing above built a step object
+    assert_same(t, row.trajectory())
+    # token views still point into the frame
+    ids = row.trajectory().steps[0].prompt_ids
+    base = np.frombuffer(frame, dtype=np.uint8).ctypes.data
+    assert base <= ids.ctypes.data < base + len(frame)
+
+
+def test_decode_batches_runs_every_check():
+    batch = to_record_batch(example_trajectories(3, seed=5))
+    frame = _mutate_column(batch, "parents", _bad_parents)
+    before = rejected_count(SchemaMismatch.reason)
+    with pytest.raises(SchemaMismatch, match="parent"):
+        decode_batches(frame)
+    assert rejected_count(SchemaMismatch.reason) == before + 1
+
+
+def test_encode_rows_picks_rows_of_several_batches_in_order():
+    a, b = example_trajectories(4, seed=1), example_trajectories(3, seed=2)
+    (ba,) = decode_batches(encode_trajectories(a))
+    bb = TrajectoryBatch.from_trajectories(b)
+    whole = ba.rows()
+    assert rows_record_batch(whole) is ba.record_batch  # a whole frame is kept as it arrived
+    pick = [ba.rows()[3], ba.rows()[0], bb.rows()[2], ba.rows()[1]]
+    out = decode_trajectories(encode_rows(pick))
+    for want, got in zip([a[3], a[0], b[2], a[1]], out, strict=True):
+        assert_same(want, got)
+    assert decode_trajectories(encode_rows([])) == []

@@ -56,7 +56,13 @@ import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
 from teamrl.protocol import schema as S
-from teamrl.protocol.codec import decode_trajectories, to_record_batch
+from teamrl.protocol.codec import (
+    TrajectoryBatch,
+    TrajectoryRow,
+    decode_batches,
+    encode_rows,
+    rows_record_batch,
+)
 from teamrl.protocol.errors import ProtocolError
 from teamrl.protocol.trajectory import GraphTrajectory
 
@@ -166,7 +172,7 @@ class _SeqSet:
 @dataclass(eq=False)
 class _Item:
     key: int  # admission order; row `key` of the segment log
-    traj: GraphTrajectory
+    row: TrajectoryRow  # the trajectory, kept in its Arrow batch
     min_version: int
     max_version: int
     steps_per_agent: dict[str, int]
@@ -191,18 +197,29 @@ class _Group:
 class InsertResult:
     """What ``insert`` did with one frame: ``accepted`` must be persisted before the frame is acked."""
 
-    accepted: list[tuple[int, GraphTrajectory]]
+    accepted: list[tuple[int, TrajectoryRow]]
     stale: int = 0
     duplicate: bool = False
 
 
 @dataclass
 class Sample:
-    """A batch of whole groups: trajectories with their weights (importance x staleness)."""
+    """A batch of whole groups: trajectories with their weights (importance x staleness).
 
-    trajectories: list[GraphTrajectory]
+    ``rows`` stay in Arrow; ``encode()`` makes the reply frame without building Python objects,
+    ``trajectories`` builds them (in-process users, tests).
+    """
+
+    rows: list[TrajectoryRow]
     weights: list[float]
     keys: list[int]
+
+    @property
+    def trajectories(self) -> list[GraphTrajectory]:
+        return [r.trajectory() for r in self.rows]
+
+    def encode(self) -> pa.Buffer:
+        return encode_rows(self.rows)
 
 
 @dataclass
@@ -213,11 +230,16 @@ class Refused:
     message: str = ""
 
 
-def _versions(t: GraphTrajectory, default: int) -> tuple[int, int]:
-    if not t.steps:
-        return default, default
-    v = [s.policy_version for s in t.steps]
-    return min(v), max(v)
+def _rows(
+    trajectories: TrajectoryBatch | Iterable[TrajectoryBatch] | Iterable[GraphTrajectory],
+) -> list[TrajectoryRow]:
+    """Rows of a decoded batch, of several, or of Python trajectories (checked as the encoder does)."""
+    if isinstance(trajectories, TrajectoryBatch):
+        return trajectories.rows()
+    items = list(trajectories)
+    if items and all(isinstance(b, TrajectoryBatch) for b in items):
+        return [r for b in items for r in b.rows()]
+    return TrajectoryBatch.from_trajectories(items).rows()
 
 
 class ReplayBuffer:
@@ -355,13 +377,14 @@ class ReplayBuffer:
 
     def insert(
         self,
-        trajectories: Iterable[GraphTrajectory],
+        trajectories: TrajectoryBatch | Iterable[TrajectoryBatch] | Iterable[GraphTrajectory],
         *,
         source: tuple[str, int] | None = None,
         now: float = 0.0,
     ) -> InsertResult:
-        """Admit one frame's trajectories. ``source`` = (incarnation, seq) of the frame; a source
-        seen before is a duplicate and changes nothing. ``now`` is monotonic seconds (group ages)."""
+        """Admit one frame's trajectories: its decoded batches (``decode_batches``), or Python
+        trajectories. ``source`` = (incarnation, seq) of the frame; a source seen before is a
+        duplicate and changes nothing. ``now`` is monotonic seconds (group ages)."""
         if source is not None:
             inc, seq = source
             seen = self._seen.setdefault(inc, _SeqSet())
@@ -369,22 +392,21 @@ class ReplayBuffer:
                 self.count_duplicates(1)
                 return InsertResult([], duplicate=True)
             seen.add(seq)
-        trajs = list(trajectories)
-        for t in trajs:
-            self.current_version = max(self.current_version, _versions(t, -1)[1])
+        rows = _rows(trajectories)
+        for r in rows:
+            self.current_version = max(self.current_version, r.versions(-1)[1])
         res = InsertResult([])
-        for t in trajs:
-            lo, hi = _versions(t, self.current_version)
+        for r in rows:
+            lo, hi = r.versions(self.current_version)
             lag = max(0, self.current_version - lo)
             if self._too_stale(lag) and self.stale_action == "drop":
                 self.count_rejected("stale")
                 res.stale += 1
                 continue
             STALENESS.observe(lag)
-            per_agent = Tally(s.agent_id for s in t.steps)
-            item = _Item(self.next_key, t, lo, hi, dict(per_agent))
+            item = _Item(self.next_key, r, lo, hi, r.steps_per_agent())
             self.next_key += 1
-            res.accepted.append((item.key, t))
+            res.accepted.append((item.key, r))
             self._admit(item, now)
         return res
 
@@ -393,9 +415,9 @@ class ReplayBuffer:
 
     def _admit(self, item: _Item, now: float) -> None:
         if self.group_size == 1:
-            self._release(_Group(item.traj.group_id, [item], now), timed_out=False)
+            self._release(_Group(item.row.group_id, [item], now), timed_out=False)
             return
-        gid = item.traj.group_id
+        gid = item.row.group_id
         g = self._pending.get(gid)
         if g is None:
             if len(self._pending) >= self.max_pending_groups:
@@ -413,7 +435,7 @@ class ReplayBuffer:
         if timed_out:
             self.groups_timed_out += 1
             GROUPS_TIMED_OUT.inc()
-        rewards = np.array([it.traj.reward for it in g.items], dtype=np.float64)
+        rewards = np.array([it.row.reward for it in g.items], dtype=np.float64)
         p = float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS
         g.priority = p**self.alpha
         g.serial = self._serial
@@ -533,7 +555,7 @@ class ReplayBuffer:
             g.taken[rnd] = rank
             for it in items:
                 it.sampled[view] = it.sampled.get(view, 0) + 1
-                out.trajectories.append(it.traj)
+                out.rows.append(it.row)
                 out.keys.append(it.key)
                 w = self._stale_weight(it) * (float(iw[i]) if probs is not None else 1.0)
                 out.weights.append(w)
@@ -600,9 +622,9 @@ class ReplayBuffer:
         }
 
     def load_state_dict(
-        self, state: Mapping[str, Any], trajectories: Mapping[int, GraphTrajectory], now: float
+        self, state: Mapping[str, Any], trajectories: Mapping[int, TrajectoryRow], now: float
     ) -> None:
-        """Restore ``state_dict`` output; ``trajectories`` maps every key it holds to its data."""
+        """Restore ``state_dict`` output; ``trajectories`` maps every key it holds to its row."""
         if state.get("format") != STATE_FORMAT:
             raise CorruptStore(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
 
@@ -612,10 +634,8 @@ class ReplayBuffer:
                 t = trajectories.get(int(key))
                 if t is None:
                     raise CorruptStore(f"checkpoint holds key {key} but no segment row has it")
-                lo, hi = _versions(t, -1)
-                out.append(
-                    _Item(int(key), t, lo, hi, dict(Tally(s.agent_id for s in t.steps)), dict(sampled))
-                )
+                lo, hi = t.versions(-1)
+                out.append(_Item(int(key), t, lo, hi, t.steps_per_agent(), dict(sampled)))
             return out
 
         c = state["counters"]
@@ -636,7 +656,7 @@ class ReplayBuffer:
         for entry in state["groups"]:
             g = _Group(entry["group_id"], rebuild(entry["items"]), 0.0, serial=int(entry["serial"]))
             g.taken = {int(r): int(k) for r, k in entry["taken"].items()}
-            rewards = np.array([it.traj.reward for it in g.items], dtype=np.float64)
+            rewards = np.array([it.row.reward for it in g.items], dtype=np.float64)
             g.priority = (float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS) ** self.alpha
             self._groups[g.serial] = g
             for it in g.items:
@@ -726,7 +746,7 @@ class SegmentStore:
 
     # --- load ---------------------------------------------------------------------------------
 
-    def load(self) -> tuple[dict[str, Any] | None, dict[int, GraphTrajectory]]:
+    def load(self) -> tuple[dict[str, Any] | None, dict[int, TrajectoryRow]]:
         """The newest complete checkpoint's buffer state and the trajectories it holds."""
         for ckpt in self._complete():
             try:
@@ -739,7 +759,7 @@ class SegmentStore:
             ]
             self._needs[self._number(ckpt)] = {s.name for s in self._segments}
             wanted = set(doc["keys"])
-            trajs: dict[int, GraphTrajectory] = {}
+            trajs: dict[int, TrajectoryRow] = {}
             for seg in self._segments:
                 if any(seg.first_key <= k < seg.first_key + seg.rows for k in wanted):
                     trajs.update(self._read(seg, wanted))
@@ -747,9 +767,9 @@ class SegmentStore:
             return doc["buffer"], trajs
         return None, {}
 
-    def _read(self, seg: _Segment, wanted: set[int]) -> dict[int, GraphTrajectory]:
+    def _read(self, seg: _Segment, wanted: set[int]) -> dict[int, TrajectoryRow]:
         path = self._seg_dir / seg.name
-        out: dict[int, GraphTrajectory] = {}
+        out: dict[int, TrajectoryRow] = {}
         key = seg.first_key
         try:
             reader = pa.ipc.MessageReader.open_stream(pa.memory_map(str(path)))
@@ -758,10 +778,11 @@ class SegmentStore:
                 msg = reader.read_next_message()
                 # Each batch is re-framed as a one-batch stream so it goes through the validating
                 # decoder: bytes on disk after a crash are as foreign as bytes off the wire.
-                for t in decode_trajectories(head + msg.serialize().to_pybytes()):
-                    if key in wanted:
-                        out[key] = t
-                    key += 1
+                for batch in decode_batches(head + msg.serialize().to_pybytes()):
+                    for row in batch.rows():
+                        if key in wanted:
+                            out[key] = row
+                        key += 1
         except (OSError, StopIteration, pa.ArrowException, ProtocolError) as e:
             raise CorruptStore(
                 f"segment {path}: cannot read row {key - seg.first_key} of {seg.rows}: {e}"
@@ -793,8 +814,9 @@ class SegmentStore:
         if self.fsync:
             os.fsync(self._file.fileno())
 
-    def append(self, accepted: list[tuple[int, GraphTrajectory]]) -> None:
-        """Append (key, trajectory) pairs, keys increasing; durable when this returns."""
+    def append(self, accepted: list[tuple[int, TrajectoryRow]]) -> None:
+        """Append (key, row) pairs, keys increasing; durable when this returns. A whole decoded
+        frame is written as the record batch it arrived in (no re-encoding)."""
         if not accepted:
             return
         first = accepted[0][0]
@@ -810,7 +832,7 @@ class SegmentStore:
             self._open_segment(first)
             seg = self._segments[-1]
         assert self._writer is not None
-        self._writer.write_batch(to_record_batch([t for _, t in accepted]))
+        self._writer.write_batch(rows_record_batch([r for _, r in accepted]))
         self._sync()
         seg.rows += len(accepted)
 

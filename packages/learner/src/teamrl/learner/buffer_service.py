@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from teamrl.learner.buffer import Refused, ReplayBuffer, SegmentStore
 from teamrl.learner.buffer_config import BufferConfig
-from teamrl.protocol.codec import decode_trajectories, encode_trajectories
+from teamrl.protocol.codec import decode_batches
 from teamrl.protocol.control import (
     BufferStats,
     BufferStatsRequest,
@@ -139,8 +139,8 @@ class BufferService:
             return ErrorReply(request_id=req.request_id, reason=out.reason, message=out.message)
         return SampleReply(
             request_id=req.request_id,
-            trajectories=encode_trajectories(out.trajectories),
-            count=len(out.trajectories),
+            trajectories=out.encode().to_pybytes(),
+            count=len(out.rows),
             weights=out.weights,
         )
 
@@ -161,7 +161,7 @@ class BufferService:
 
     def _take_frame(self, frame: Frame, now: float) -> None:
         try:
-            trajectories = decode_trajectories(frame.payload)
+            trajectories = decode_batches(frame.payload)
         except ProtocolError as e:  # foreign bytes: refuse for good, count, go on
             log.warning("refused frame %s/%d: %s: %s", frame.incarnation, frame.seq, e.reason, e)
             self.buffer.count_rejected(e.reason)

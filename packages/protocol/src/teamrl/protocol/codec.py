@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
@@ -74,101 +75,136 @@ assert tuple(f.name for f in dataclasses.fields(AgentStep)) == _STEP_FIELDS, "Ag
 # encode
 
 
-def _offsets(lengths: np.ndarray) -> pa.Array:
-    """int32 Arrow offsets [n + 1] from int64 lengths [n]; refuses what int32 cannot address."""
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    if out[-1] > _INT32_MAX:
-        raise FrameTooLarge(f"a list column holds {out[-1]} values, over the int32 offset range")
-    return pa.array(out.astype(np.int32))
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """int32 offsets [n + 1] from int64 lengths [n]; refuses what int32 cannot address."""
+    out = np.empty(len(lengths) + 1, dtype=np.int32)
+    out[0] = 0
+    if len(lengths) and int(lengths.sum()) > _INT32_MAX:
+        raise FrameTooLarge(f"a list column holds {int(lengths.sum())} values, over the int32 offset range")
+    np.cumsum(lengths, dtype=np.int32, out=out[1:])
+    return out
 
 
 def _lengths(items: Sequence) -> np.ndarray:
     return np.fromiter(map(len, items), dtype=np.int64, count=len(items))
 
 
-def _flat_list(arrays: Sequence[np.ndarray], dtype: type, list_type: pa.DataType) -> pa.ListArray:
+def _list_array(offsets: np.ndarray, values: pa.Array, list_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets), values, type=list_type)
+
+
+def _flat_list(
+    arrays: Sequence[np.ndarray], dtype: type, list_type: pa.DataType
+) -> tuple[pa.ListArray, np.ndarray, np.ndarray]:
     """One list<dtype> column from per-row arrays: one concatenate (a memcpy) plus offsets.
 
+    Returns the column, the row lengths and the flat values as numpy (for the field checks).
     The values are concatenated straight into a buffer from Arrow's memory pool, which recycles
     its pages: a fresh numpy array of a megabyte page-faults on every page (measured: 3x slower).
     The cast is numpy's ``unsafe`` one, as ``astype`` would do (Python lists become int64/float64).
     """
     lengths = _lengths(arrays)
     offsets = _offsets(lengths)
-    n = int(lengths.sum())
+    n = int(offsets[-1])
     buf = pa.allocate_buffer(n * np.dtype(dtype).itemsize)
+    flat = np.frombuffer(buf, dtype)
     if n:
-        np.concatenate(arrays, out=np.frombuffer(buf, dtype), casting="unsafe")
+        np.concatenate(arrays, out=flat, casting="unsafe")
     values = pa.Array.from_buffers(list_type.value_type, n, [None, buf])
-    return pa.ListArray.from_arrays(offsets, values, type=list_type)
+    return _list_array(offsets, values, list_type), lengths, flat
+
+
+def _strings(values: Sequence[str]) -> pa.Array:
+    return pa.array(values, pa.string())
 
 
 def to_record_batch(trajectories: Sequence[GraphTrajectory]) -> pa.RecordBatch:
-    """Build the Arrow record batch (one row per trajectory) and run the same field checks as decode."""
+    """Build the Arrow record batch (one row per trajectory) and run the same field checks as decode.
+
+    The checks read the numpy arrays this function built (``_Numbers``), not the Arrow tree, and
+    skip what holds by construction: offsets are tight, metadata keys come from dicts.
+    """
     steps = [s for t in trajectories for s in t.steps]
     # One C-level getter per step, then a transpose: faster than a pass per field (measured).
-    columns = list(zip(*map(_STEP_GETTER, steps), strict=True)) or [()] * len(_STEP_FIELDS)
+    columns = (
+        dict(zip(_STEP_FIELDS, zip(*map(_STEP_GETTER, steps), strict=True), strict=True))
+        if steps
+        else {f: () for f in _STEP_FIELDS}
+    )
+    lens: dict[str, np.ndarray] = {}
+    flat: dict[str, np.ndarray] = {}
     children = []
-    for f, values in zip(_STEP_FIELD_LIST, columns, strict=True):
+    for f in _STEP_FIELD_LIST:
+        values = columns[f.name]
         if f.name in _TOKEN_DTYPES:
-            children.append(_flat_list(values, _TOKEN_DTYPES[f.name], f.type))
+            arr, lens[f.name], flat[f.name] = _flat_list(values, _TOKEN_DTYPES[f.name], f.type)
         elif f.name == "tool_calls":
             calls = [c for per_step in values for c in per_step]
             tool_struct = pa.StructArray.from_arrays(
                 [pa.array(list(map(attrgetter(t.name), calls)), t.type) for t in _TOOL_FIELD_LIST],
                 fields=_TOOL_FIELD_LIST,
             )
-            children.append(pa.ListArray.from_arrays(_offsets(_lengths(values)), tool_struct, type=f.type))
+            arr = _list_array(_offsets(_lengths(values)), tool_struct, f.type)
         else:
-            children.append(pa.array(values, f.type))
+            arr = pa.array(values, f.type)
+        children.append(arr)
     step_struct = pa.StructArray.from_arrays(children, fields=_STEP_FIELD_LIST)
+    step = dict(zip(_STEP_FIELDS, children, strict=True))
     sch = S.TRAJECTORY_SCHEMA
 
     def top(name: str) -> pa.Array:
         return pa.array(list(map(attrgetter(name), trajectories)), sch.field(name).type)
 
     metas = [t.metadata for t in trajectories]
+    turn_rewards, _, turn_flat = _flat_list(
+        [t.turn_rewards for t in trajectories], np.float32, sch.field("turn_rewards").type
+    )
+    n_steps = np.fromiter(map(len, map(attrgetter("steps"), trajectories)), np.int64, len(trajectories))
+    seq, reward = top("seq"), top("reward")
     batch = pa.RecordBatch.from_arrays(
         [
             top("episode_id"),
             top("incarnation"),
-            top("seq"),
+            seq,
             top("task_id"),
             top("group_id"),
             top("workflow"),
-            top("reward"),
-            _flat_list([t.turn_rewards for t in trajectories], np.float32, sch.field("turn_rewards").type),
+            reward,
+            turn_rewards,
             pa.MapArray.from_arrays(
-                _offsets(_lengths(metas)),
-                pa.array([k for m in metas for k in m], pa.string()),
-                pa.array([v for m in metas for v in m.values()], pa.string()),
+                pa.array(_offsets(_lengths(metas))),
+                _strings([k for m in metas for k in m]),
+                _strings([v for m in metas for v in m.values()]),
                 type=sch.field("metadata").type,
             ),
-            pa.ListArray.from_arrays(
-                _offsets(np.fromiter((len(t.steps) for t in trajectories), np.int64, len(trajectories))),
-                step_struct,
-                type=sch.field("steps").type,
-            ),
+            _list_array(_offsets(n_steps), step_struct, sch.field("steps").type),
         ],
         schema=sch,
     )
-    _check_fields(_Columns(batch))
+    for path, arr in (*zip(batch.schema.names, batch.columns, strict=True), *step.items()):
+        if arr.null_count:  # a None in a Python column
+            raise SchemaMismatch(f"{path} has {arr.null_count} nulls; no field is nullable")
+    _check_numbers(
+        _Numbers(
+            num_rows=len(trajectories),
+            step_lens=n_steps,
+            lens=lens,
+            values=flat,
+            turn_rewards=turn_flat,
+            step_reward=step["reward"].to_numpy(),
+            reward=reward.to_numpy(),
+            policy_version=step["policy_version"].to_numpy(),
+            turn=step["turn"].to_numpy(),
+            seq=seq.to_numpy(),
+            finish_reasons=set(columns["finish_reason"]),
+        )
+    )
     return batch
 
 
 def encode_trajectories_buffer(trajectories: Sequence[GraphTrajectory]) -> pa.Buffer:
     """Encode to one Arrow IPC stream in a ``pa.Buffer`` (supports the buffer protocol, no extra copy)."""
-    batch = to_record_batch(trajectories)
-    mock = pa.MockOutputStream()
-    with pa.ipc.new_stream(mock, S.TRAJECTORY_SCHEMA, options=_WRITE_OPTIONS) as w:
-        w.write_batch(batch)
-    buf = pa.allocate_buffer(mock.size())
-    with pa.ipc.new_stream(pa.FixedSizeBufferWriter(buf), S.TRAJECTORY_SCHEMA, options=_WRITE_OPTIONS) as w:
-        w.write_batch(batch)
-    if buf.size > S.MAX_FRAME_BYTES:
-        raise FrameTooLarge(f"encoded frame is {buf.size} bytes, cap is {S.MAX_FRAME_BYTES}")
-    return buf
+    return _write_stream(to_record_batch(trajectories))
 
 
 def encode_trajectories(trajectories: Sequence[GraphTrajectory]) -> bytes:
@@ -314,28 +350,34 @@ def _check_finite(values: np.ndarray, path: str) -> None:
         raise SchemaMismatch(f"{path} holds NaN or infinite values")
 
 
-def _check_fields(c: _Columns) -> None:
-    """Semantic checks on a validated batch, each one numpy call over a whole column.
+@dataclass(frozen=True)
+class _Numbers:
+    """The numeric view of one batch that the semantic checks read: flat numpy arrays.
 
-    Fills ``c.off`` with the checked offsets, for the object builder.
+    The decoder fills it from the validated Arrow buffers (zero-copy), the encoder from the arrays
+    it has just built, so one function checks both sides.
     """
-    for path, arr in c.paths:
-        if arr.null_count:
-            raise SchemaMismatch(f"{path} has {arr.null_count} nulls; no field is nullable")
-    if c.num_rows > S.MAX_TRAJECTORIES_PER_FRAME:
-        raise FrameTooLarge(f"{c.num_rows} trajectories in one batch, cap {S.MAX_TRAJECTORIES_PER_FRAME}")
-    off = c.off
-    step_off = off["steps"] = _tight_offsets(c.top["steps"], len(c.steps), "steps")
-    n_steps_per = np.diff(step_off)
-    if n_steps_per.size and n_steps_per.max() > S.MAX_STEPS_PER_TRAJECTORY:
-        raise FrameTooLarge(f"a trajectory has {n_steps_per.max()} steps, cap {S.MAX_STEPS_PER_TRAJECTORY}")
-    for name in _TOKEN_DTYPES:
-        off[name] = _tight_offsets(c.step[name], len(c.values[name]), f"steps.{name}")
-    off["tool_calls"] = _tight_offsets(c.step["tool_calls"], len(c.tools), "steps.tool_calls")
-    off["turn_rewards"] = _tight_offsets(c.top["turn_rewards"], len(c.values["turn_rewards"]), "turn_rewards")
-    off["metadata"] = _tight_offsets(c.top["metadata"], len(c.meta_keys), "metadata")
 
-    resp_len, logp_len = np.diff(off["response_ids"]), np.diff(off["logprobs"])
+    num_rows: int
+    step_lens: np.ndarray  # [rows] steps per trajectory
+    lens: dict[str, np.ndarray]  # token/parent column -> [steps] list lengths
+    values: dict[str, np.ndarray]  # token/parent column -> flat values
+    turn_rewards: np.ndarray
+    step_reward: np.ndarray
+    reward: np.ndarray
+    policy_version: np.ndarray
+    turn: np.ndarray
+    seq: np.ndarray
+    finish_reasons: Iterable[str]  # the distinct values
+
+
+def _check_numbers(n: _Numbers) -> None:
+    """Semantic checks, each one numpy call over a whole column (no per-step Python)."""
+    if n.num_rows > S.MAX_TRAJECTORIES_PER_FRAME:
+        raise FrameTooLarge(f"{n.num_rows} trajectories in one batch, cap {S.MAX_TRAJECTORIES_PER_FRAME}")
+    if n.step_lens.size and n.step_lens.max() > S.MAX_STEPS_PER_TRAJECTORY:
+        raise FrameTooLarge(f"a trajectory has {n.step_lens.max()} steps, cap {S.MAX_STEPS_PER_TRAJECTORY}")
+    resp_len, logp_len = n.lens["response_ids"], n.lens["logprobs"]
     if not np.array_equal(resp_len, logp_len):
         bad = int(np.nonzero(resp_len != logp_len)[0][0])
         raise SchemaMismatch(f"step {bad}: {resp_len[bad]} response tokens but {logp_len[bad]} log-probs")
@@ -344,38 +386,58 @@ def _check_fields(c: _Columns) -> None:
         ("response_ids", S.MAX_TOKENS_PER_STEP),
         ("parents", S.MAX_PARENTS_PER_STEP),
     ):
-        lens = np.diff(off[name])
+        lens = n.lens[name]
         if lens.size and lens.max() > cap:
             raise FrameTooLarge(f"a step has {lens.max()} {name}, cap {cap}")
 
     for name in ("prompt_ids", "response_ids"):
-        _check_nonneg(c.numpy(c.values[name]), f"steps.{name}")
-    logp = c.numpy(c.values["logprobs"])
+        _check_nonneg(n.values[name], f"steps.{name}")
+    logp = n.values["logprobs"]
     if logp.size:  # one min and one max serve both checks
         lo, hi = logp.min(), logp.max()
         if not (-np.inf < lo and hi < np.inf):
             raise SchemaMismatch("steps.logprobs holds NaN or infinite values")
         if hi > 1e-3:  # a probability above 1: a bug or a forged frame
             raise SchemaMismatch(f"steps.logprobs holds {hi} > 0; log-probs must be <= 0")
-    _check_finite(c.numpy(c.step["reward"]), "steps.reward")
-    _check_finite(c.numpy(c.top["reward"]), "reward")
-    _check_finite(c.numpy(c.values["turn_rewards"]), "turn_rewards")
-    _check_nonneg(c.numpy(c.step["policy_version"]), "steps.policy_version")
-    _check_nonneg(c.numpy(c.step["turn"]), "steps.turn")
-    _check_nonneg(c.numpy(c.top["seq"]), "seq")
+    _check_finite(n.step_reward, "steps.reward")
+    _check_finite(n.reward, "reward")
+    _check_finite(n.turn_rewards, "turn_rewards")
+    _check_nonneg(n.policy_version, "steps.policy_version")
+    _check_nonneg(n.turn, "steps.turn")
+    _check_nonneg(n.seq, "seq")
 
     # Parents point strictly backwards inside their own trajectory: 0 <= p < local index.
-    par = c.numpy(c.values["parents"])
+    par = n.values["parents"]
     if par.size:
-        step_start = np.repeat(step_off[:-1], n_steps_per)  # [n_steps] first global step of its traj
-        owner = np.repeat(np.arange(len(c.steps)), np.diff(off["parents"]))  # [n_parents] global step
-        local = owner - step_start[owner]
+        # local index of every step = global index - index of its trajectory's first step
+        n_steps = len(n.lens["parents"])
+        first = np.zeros(len(n.step_lens), np.int64)
+        np.cumsum(n.step_lens[:-1], out=first[1:])
+        local_of_step = np.arange(n_steps) - np.repeat(first, n.step_lens)
+        local = np.repeat(local_of_step, n.lens["parents"])  # [n_parents]
         bad = (par < 0) | (par >= local)
         if bad.any():
             k = int(np.nonzero(bad)[0][0])
             raise SchemaMismatch(
                 f"step {local[k]} of its trajectory names parent {par[k]}; parents must be earlier steps"
             )
+    if not _FINISH_REASONS.issuperset(n.finish_reasons):
+        raise SchemaMismatch(f"unknown finish_reason, expected one of {S.FINISH_REASONS}")
+
+
+def _check_fields(c: _Columns) -> None:
+    """Every check of a decoded batch: no nulls, tight offsets, unique metadata keys, then
+    ``_check_numbers``. Fills ``c.off`` with the checked offsets, for the object builder."""
+    for path, arr in c.paths:
+        if arr.null_count:
+            raise SchemaMismatch(f"{path} has {arr.null_count} nulls; no field is nullable")
+    off = c.off
+    off["steps"] = _tight_offsets(c.top["steps"], len(c.steps), "steps")
+    for name in _TOKEN_DTYPES:
+        off[name] = _tight_offsets(c.step[name], len(c.values[name]), f"steps.{name}")
+    off["tool_calls"] = _tight_offsets(c.step["tool_calls"], len(c.tools), "steps.tool_calls")
+    off["turn_rewards"] = _tight_offsets(c.top["turn_rewards"], len(c.values["turn_rewards"]), "turn_rewards")
+    off["metadata"] = _tight_offsets(c.top["metadata"], len(c.meta_keys), "metadata")
     # Metadata keys are unique within each trajectory: one set over (row, key) pairs of the frame.
     n_keys = len(c.meta_keys)
     if n_keys:
@@ -387,9 +449,22 @@ def _check_fields(c: _Columns) -> None:
                 if pair in seen:
                     raise SchemaMismatch(f"trajectory {pair[0]}: duplicate metadata key {pair[1]!r}")
                 seen.add(pair)
-    # unique() is one C pass; the set test then touches only the few distinct values
-    if not _FINISH_REASONS.issuperset(c.step["finish_reason"].unique().to_pylist()):
-        raise SchemaMismatch(f"unknown finish_reason, expected one of {S.FINISH_REASONS}")
+    _check_numbers(
+        _Numbers(
+            num_rows=c.num_rows,
+            step_lens=np.diff(off["steps"]),
+            lens={name: np.diff(off[name]) for name in _TOKEN_DTYPES},
+            values={name: c.numpy(c.values[name]) for name in _TOKEN_DTYPES},
+            turn_rewards=c.numpy(c.values["turn_rewards"]),
+            step_reward=c.numpy(c.step["reward"]),
+            reward=c.numpy(c.top["reward"]),
+            policy_version=c.numpy(c.step["policy_version"]),
+            turn=c.numpy(c.step["turn"]),
+            seq=c.numpy(c.top["seq"]),
+            # unique() is one C pass; the set test then touches only the few distinct values
+            finish_reasons=c.step["finish_reason"].unique().to_pylist(),
+        )
+    )
 
 
 def _split(items: Sequence, off: list[int]) -> list:
@@ -472,3 +547,161 @@ def decode_trajectories(data: bytes | bytearray | memoryview | pa.Buffer) -> lis
     except ProtocolError as e:
         count_rejection(e.reason)
         raise
+
+
+# --------------------------------------------------------------------------------------------
+# columnar batches: what the replay buffer keeps (no per-step Python objects)
+
+
+class TrajectoryBatch:
+    """Validated trajectories kept as one Arrow record batch: numpy columns, objects on demand.
+
+    What a consumer that only routes trajectories needs (the replay buffer: group ids, rewards,
+    policy-version ranges, steps per agent, and the rows themselves to persist and hand out) is
+    read straight from the columns, without building an ``AgentStep`` per step. ``trajectory(i)``
+    builds the Python objects of the whole batch once, on first use, and caches them.
+
+    Build one with ``decode_batches(frame)`` (foreign bytes, every check of ``decode_trajectories``)
+    or ``TrajectoryBatch.from_trajectories(objects)`` (the encoder's checks). Row ``i`` is
+    ``TrajectoryRow(batch, i)``; ``encode_rows`` turns rows of any batches back into one frame.
+    """
+
+    def __init__(self, columns: _Columns) -> None:
+        self._c = columns
+        self.record_batch = columns.batch
+        off = columns.off["steps"]
+        self.step_offsets = off  # [rows + 1] int32
+        self.reward = columns.numpy(columns.top["reward"])  # [rows] float64
+        self.group_id: list[str] = columns.top["group_id"].to_pylist()
+        self.episode_id: list[str] = columns.top["episode_id"].to_pylist()
+        self.agent_id: list[str] = columns.step["agent_id"].to_pylist()  # [steps]
+        versions = columns.numpy(columns.step["policy_version"])
+        n_steps = np.diff(off)
+        has = n_steps > 0
+        starts = off[:-1][has]
+        self.min_version = np.full(len(n_steps), -1, np.int64)  # -1 for a trajectory without steps
+        self.max_version = np.full(len(n_steps), -1, np.int64)
+        if versions.size:
+            self.min_version[has] = np.minimum.reduceat(versions, starts)
+            self.max_version[has] = np.maximum.reduceat(versions, starts)
+        self.has_steps = has
+        self._objects: list[GraphTrajectory] | None = None
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Sequence[GraphTrajectory]) -> TrajectoryBatch:
+        c = _Columns(to_record_batch(trajectories))
+        _fill_offsets(c)
+        batch = cls(c)
+        batch._objects = list(trajectories)
+        return batch
+
+    def __len__(self) -> int:
+        return self.record_batch.num_rows
+
+    def rows(self) -> list[TrajectoryRow]:
+        return [TrajectoryRow(self, i) for i in range(len(self))]
+
+    def steps_per_agent(self, i: int) -> dict[str, int]:
+        a, b = int(self.step_offsets[i]), int(self.step_offsets[i + 1])
+        out: dict[str, int] = {}
+        for agent in self.agent_id[a:b]:
+            out[agent] = out.get(agent, 0) + 1
+        return out
+
+    def trajectories(self) -> list[GraphTrajectory]:
+        if self._objects is None:
+            self._objects = _from_columns(self._c)
+        return self._objects
+
+    def trajectory(self, i: int) -> GraphTrajectory:
+        return self.trajectories()[i]
+
+
+@dataclass(frozen=True, eq=False)
+class TrajectoryRow:
+    """One trajectory of a ``TrajectoryBatch``: its routing fields, and the object on demand."""
+
+    batch: TrajectoryBatch
+    index: int
+
+    @property
+    def episode_id(self) -> str:
+        return self.batch.episode_id[self.index]
+
+    @property
+    def group_id(self) -> str:
+        return self.batch.group_id[self.index]
+
+    @property
+    def reward(self) -> float:
+        return float(self.batch.reward[self.index])
+
+    def versions(self, default: int) -> tuple[int, int]:
+        """(min, max) policy version of the steps; (default, default) without steps."""
+        if not self.batch.has_steps[self.index]:
+            return default, default
+        return int(self.batch.min_version[self.index]), int(self.batch.max_version[self.index])
+
+    def steps_per_agent(self) -> dict[str, int]:
+        return self.batch.steps_per_agent(self.index)
+
+    def trajectory(self) -> GraphTrajectory:
+        return self.batch.trajectory(self.index)
+
+
+def _fill_offsets(c: _Columns) -> None:
+    """The offsets ``_check_fields`` would record, for a batch this process built and checked."""
+    c.off["steps"] = c.top["steps"].offsets.to_numpy()
+    for name in _TOKEN_DTYPES:
+        c.off[name] = c.step[name].offsets.to_numpy()
+    c.off["tool_calls"] = c.step["tool_calls"].offsets.to_numpy()
+    c.off["turn_rewards"] = c.top["turn_rewards"].offsets.to_numpy()
+    c.off["metadata"] = c.top["metadata"].offsets.to_numpy()
+
+
+def decode_batches(data: bytes | bytearray | memoryview | pa.Buffer) -> list[TrajectoryBatch]:
+    """Validate foreign Arrow IPC bytes into ``TrajectoryBatch`` es (no per-step objects).
+
+    Exactly the checks of ``decode_trajectories``; raises (and counts) a ``ProtocolError`` subclass.
+    """
+    try:
+        return [TrajectoryBatch(c) for c in _validated(data)]
+    except ProtocolError as e:
+        count_rejection(e.reason)
+        raise
+
+
+def rows_record_batch(rows: Sequence[TrajectoryRow]) -> pa.RecordBatch:
+    """One record batch holding ``rows`` in order: the original batch when the rows are all of it,
+    else Arrow ``take`` per run of rows from one batch (a C++ copy with compact offsets)."""
+    if not rows:
+        return to_record_batch([])
+    first = rows[0].batch
+    if len(rows) == len(first) and all(r.batch is first and r.index == i for i, r in enumerate(rows)):
+        return first.record_batch
+    parts, start = [], 0
+    for k in range(1, len(rows) + 1):
+        if k == len(rows) or rows[k].batch is not rows[start].batch:
+            idx = pa.array([r.index for r in rows[start:k]], pa.int32())
+            parts.append(rows[start].batch.record_batch.take(idx))
+            start = k
+    if len(parts) == 1:
+        return parts[0]
+    return pa.Table.from_batches(parts, schema=S.TRAJECTORY_SCHEMA).combine_chunks().to_batches()[0]
+
+
+def _write_stream(batch: pa.RecordBatch) -> pa.Buffer:
+    mock = pa.MockOutputStream()
+    with pa.ipc.new_stream(mock, S.TRAJECTORY_SCHEMA, options=_WRITE_OPTIONS) as w:
+        w.write_batch(batch)
+    buf = pa.allocate_buffer(mock.size())
+    with pa.ipc.new_stream(pa.FixedSizeBufferWriter(buf), S.TRAJECTORY_SCHEMA, options=_WRITE_OPTIONS) as w:
+        w.write_batch(batch)
+    if buf.size > S.MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"encoded frame is {buf.size} bytes, cap is {S.MAX_FRAME_BYTES}")
+    return buf
+
+
+def encode_rows(rows: Sequence[TrajectoryRow]) -> pa.Buffer:
+    """One Arrow IPC frame of ``rows`` (of any batches), without building Python objects."""
+    return _write_stream(rows_record_batch(rows))
