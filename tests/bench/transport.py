@@ -10,13 +10,17 @@ received *and processed* here.
 
 * raw:    the Arrow payloads, encoded before the clock, DEALER -> ROUTER, copy=False; the
           receiver only receives: the ceiling for these bytes;
-* codec:  encode_trajectories_buffer -> ZmqDataSender (credit window, acks) -> ZmqDataReceiver ->
-          decode_trajectories (full validation + field checks) -> ack;
+* codec:  encode_trajectories_buffer (from Python trajectories, as the rollout service does) ->
+          ZmqDataSender (credit window, acks) -> ZmqDataReceiver -> decode_batches (full Arrow
+          validation + every field check, into zero-copy columns: what the replay buffer service
+          does with a frame) -> ack;
 * pickle: pickle.dumps(protocol 5) -> DEALER -> ROUTER -> pickle.loads (no validation at all);
 * frames: (diagnostic, not in the ratio) the pre-encoded payloads through ZmqDataSender ->
           ZmqDataReceiver -> ack, no encode or decode: what the transport itself costs.
 
-``--threads`` runs the sender as a thread of this process instead; encode and decode then share
+The "alone" line times each stage of the codec path in one thread, without transport, and also
+``decode_trajectories`` (the same checks, then a Python object per step: what a consumer that
+wants objects pays). ``--threads`` runs the sender as a thread of this process instead; encode and decode then share
 one GIL, which the services never do. Trials interleave the three paths; the median time of each
 is reported (this machine is shared, single runs are noisy). Prints MB/s (of Arrow payload bytes),
 trajectories/s and the ratio codec / raw. The last line is exactly ``transport_ratio=<float>``.
@@ -38,7 +42,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from teamrl.protocol import decode_trajectories, encode_trajectories_buffer, example_trajectories
-from teamrl.protocol.codec import decode_batches, decode_record_batches
+from teamrl.protocol.codec import decode_batches
 from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
 
 HWM = 64
@@ -199,12 +203,12 @@ def main() -> None:
 
     # Where the codec path's time goes, one thread, no transport: median of the trials.
     single = n_bytes / rounds
-    stages: dict[str, list[float]] = {"encode": [], "validate only": [], "decode+validate": []}
+    stages: dict[str, list[float]] = {"encode": [], "decode_batches": [], "decode_trajectories": []}
     for _ in range(trials):
         for name, fn, items in (
             ("encode", encode_trajectories_buffer, batches),
-            ("validate only", decode_record_batches, payloads),
-            ("decode+validate", decode_trajectories, payloads),
+            ("decode_batches", decode_batches, payloads),
+            ("decode_trajectories", decode_trajectories, payloads),
         ):
             t0 = time.perf_counter()
             for item in items:

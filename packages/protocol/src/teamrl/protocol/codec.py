@@ -90,7 +90,8 @@ def _lengths(items: Sequence) -> np.ndarray:
 
 
 def _list_array(offsets: np.ndarray, values: pa.Array, list_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets), values, type=list_type)
+    """A list array over ``values`` from int32 offsets we computed (tight by construction)."""
+    return pa.Array.from_buffers(list_type, len(offsets) - 1, [None, pa.py_buffer(offsets)], children=[values])
 
 
 def _flat_list(
