@@ -27,8 +27,11 @@ Decoding treats the bytes as hostile, in this order, each failure a typed ``Prot
    per-step/per-frame caps.
 
 The whole frame is checked before any object is built. ``decode_record_batches`` stops there
-and returns the validated batches (for a consumer that keeps Arrow); ``decode_trajectories``
-goes on to build objects.
+and returns the validated batches; ``decode_batches`` wraps them as ``TrajectoryBatch`` es
+(zero-copy numpy columns, routing fields, objects built only on demand; the replay buffer keeps
+these, and ``encode_rows`` cuts a frame out of their rows); ``decode_trajectories`` goes on to
+build objects. The encoder runs the same semantic checks (``_check_numbers``) on the numpy
+arrays it has just built.
 
 Objects are then built column-wise: ``AgentStep`` positionally by ``map`` over the columns (its
 fields are declared in ``STEP_TYPE`` order; checked at import), strings by ``to_pylist``.
