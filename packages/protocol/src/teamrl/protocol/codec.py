@@ -94,7 +94,9 @@ def _lengths(items: Sequence) -> np.ndarray:
 
 def _list_array(offsets: np.ndarray, values: pa.Array, list_type: pa.DataType) -> pa.ListArray:
     """A list array over ``values`` from int32 offsets we computed (tight by construction)."""
-    return pa.Array.from_buffers(list_type, len(offsets) - 1, [None, pa.py_buffer(offsets)], children=[values])
+    return pa.Array.from_buffers(
+        list_type, len(offsets) - 1, [None, pa.py_buffer(offsets)], children=[values]
+    )
 
 
 def _flat_list(
