@@ -1,86 +1,21 @@
-"""Reading typed configs: TOML file -> dotted CLI overrides -> pydantic model.
-
-Design: one loader for every package's config model, so a bad config fails the same way everywhere:
-in well under a second, before any model loads, naming the field, the value and what was expected.
-Overrides are ``section.key=value`` strings whose value is parsed as a TOML literal (``lr=3e-4``,
-``mode="sync"``, ``agents=["a","b"]``); a bare word that is not valid TOML is taken as a string.
-Nothing is copied between sections: validators only check.
-"""
+"""Typed configs for the CLI: the shared loader (``teamrl.protocol.configfile``) and ``dump_toml``,
+which writes a resolved config into the run folder."""
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-M = TypeVar("M", bound=BaseModel)
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message says where, what, and what was expected."""
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. learner.lr=3e-4")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r}: empty key segment")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word: take it as a string
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        path, value = parse_override(item)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}): {err.error_count()} problem(s)"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        given = e.get("input")
-        shown = repr(given) if not isinstance(given, dict) else "{...}"
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        lines.append(f"  - {loc}: got {shown}; expected: {e['msg']}")
-    return "\n".join(lines)
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
-
-
-def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
-    """Build ``model`` from an optional TOML file plus dotted overrides; raise ConfigError if invalid."""
-    data = load_toml(path) if path is not None else {}
-    apply_overrides(data, list(overrides or []))
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(
-            format_validation_error(err, str(path) if path else "defaults + overrides")
-        ) from None
+# The loader is shared with the services (teamrl.protocol.configfile); re-exported for the CLI.
+from teamrl.protocol.configfile import (  # noqa: F401
+    ConfigError,
+    apply_overrides,
+    format_validation_error,
+    load_config,
+    load_toml,
+    parse_override,
+)
 
 
 def dump_toml(cfg: BaseModel) -> str:

@@ -263,7 +263,7 @@ def test_bad_config_names_the_field_and_exits_2(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
     cfg.write_text("[buffer\n")
-    assert main(["--config", str(cfg)]) == 2 and "not readable TOML" in capsys.readouterr().err
+    assert main(["--config", str(cfg)]) == 2 and "not valid TOML" in capsys.readouterr().err
     cfg.write_text('[buffer]\nbind = "tcp://x:1"\nmin_size = 5\ncapacity = 4\n')
     assert (
         main(["--config", str(cfg)]) == 2

@@ -11,11 +11,12 @@ insert, the limiter keeps ``diff = inserts * spi - samples`` inside
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from teamrl.protocol.configfile import load_section
 
 
 class BufferConfig(BaseModel):
@@ -164,11 +165,5 @@ class BufferConfig(BaseModel):
 
 def load_buffer_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> BufferConfig:
     """Read ``[buffer]`` from a TOML file (or the whole file if it has no such table), then apply
-    ``overrides`` (CLI flags that were given). Raises ``pydantic.ValidationError`` or
-    ``tomllib.TOMLDecodeError`` naming the bad field."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        raw = tomllib.loads(Path(path).read_text())
-        data = dict(raw.get("buffer", raw))
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return BufferConfig.model_validate(data)
+    ``overrides`` (CLI flags that were given). Raises ``ConfigError`` naming the bad field."""
+    return load_section(BufferConfig, path, "buffer", flags=overrides, whole_file=True)

@@ -30,15 +30,13 @@ import logging
 import signal
 import sys
 import time
-import tomllib
-from pathlib import Path
 from typing import Any
-
-from pydantic import ValidationError
 
 from teamrl.learner.buffer import Refused, ReplayBuffer, SegmentStore
 from teamrl.learner.buffer_config import BufferConfig
 from teamrl.protocol.codec import decode_batches
+from teamrl.protocol.configfile import ConfigError as SharedConfigError
+from teamrl.protocol.configfile import load_section
 from teamrl.protocol.control import (
     BufferStats,
     BufferStatsRequest,
@@ -65,7 +63,7 @@ ACK_FLUSH_S = 0.2
 PRODUCER_TIMEOUT_S = 15.0  # a rollout silent this long (no heartbeat) counts as gone  # on exit, time for the last acks to leave (sockets close with LINGER 0)
 
 
-class ConfigError(ValueError):
+class ConfigError(SharedConfigError):
     """The buffer's config file or flags are wrong; the message names the field."""
 
 
@@ -305,46 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid buffer config ({source}): {err.error_count()} problem(s)"]
-    for e in err.errors():
-        loc = ".".join(["buffer", *(str(p) for p in e["loc"])])
-        shown = repr(e.get("input"))
-        lines.append(
-            f"  - {loc}: got {shown[:77] + '...' if len(shown) > 80 else shown}; expected: {e['msg']}"
-        )
-    return "\n".join(lines)
-
-
 def load_config(args: argparse.Namespace) -> BufferConfig:
     """The ``[buffer]`` table of ``--config`` (absent: defaults), then the flags; ConfigError if bad."""
-    table: dict[str, Any] = {}
-    source = "defaults"
-    if args.config is not None:
-        path = Path(args.config)
-        source = f"{path} [buffer]"
-        try:
-            raw = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {str(path)!r} is not readable TOML: {e}") from None
-        table = raw.get("buffer", {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: buffer must be a table ([buffer]), got {type(table).__name__}")
     flags = {
         "bind": args.bind,
         "sample_bind": args.sample_bind,
         "dir": args.dir,
         "metrics_port": args.metrics_port,
     }
-    data = {**table, **{k: v for k, v in flags.items() if v is not None}}
-    try:
-        return BufferConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(
-            _format_errors(e, source + (" + flags" if any(v is not None for v in flags.values()) else ""))
-        ) from None
+    return load_section(BufferConfig, args.config, "buffer", flags=flags, error=ConfigError)
 
 
 def main(argv: list[str] | None = None) -> int:

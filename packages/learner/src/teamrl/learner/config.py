@@ -14,14 +14,15 @@ agent -> (base model, adapter) mapping). A learner process serves exactly one ba
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from teamrl.protocol.configfile import ConfigError, load_section
 
-class LearnerConfigError(ValueError):
+
+class LearnerConfigError(ConfigError):
     """The learner config file or an override is wrong (the message names the field and value)."""
 
 
@@ -259,41 +260,7 @@ class LearnerConfig(_Strict):
 
 
 def load_learner_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:
-    """Read ``path`` (TOML; its ``[learner]`` table if present) plus ``key=value`` overrides.
-
-    Override values are TOML literals (``lr=3e-4``, ``adapters=["a","b"]``); dotted keys reach nested
-    tables (``lora.rank=16``). Raises :class:`LearnerConfigError` naming each bad field.
-    """
-    from pydantic import ValidationError
-
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise LearnerConfigError(f"learner config {str(p)!r} does not exist")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise LearnerConfigError(f"learner config {str(p)!r} is not valid TOML: {e}") from None
-        data = raw.get("learner", raw)
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise LearnerConfigError(f"override {item!r}: expected KEY=VALUE, e.g. lr=3e-4")
-        try:
-            parsed = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            parsed = value
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = parsed
-    try:
-        return LearnerConfig.model_validate(data)
-    except ValidationError as e:
-        lines = [f"invalid learner config: {e.error_count()} problem(s)"]
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-            lines.append(f"  - {loc}: got {err.get('input')!r:.80}; expected: {err['msg']}")
-        raise LearnerConfigError("\n".join(lines)) from None
+    """Read ``path`` (TOML; its ``[learner]`` table if present, else the whole file) plus ``key=value``
+    overrides (TOML literals: ``lr=3e-4``, ``adapters=["a","b"]``; dotted keys reach nested tables:
+    ``lora.rank=16``). Raises :class:`LearnerConfigError` naming each bad field."""
+    return load_section(LearnerConfig, path, "learner", overrides, whole_file=True, error=LearnerConfigError)

@@ -37,13 +37,13 @@ import signal
 import sys
 import threading
 import time
-import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from teamrl.protocol.configfile import ConfigError, load_section
 from teamrl.rollout import metrics as M
 
 log = logging.getLogger("teamrl.rollout")
@@ -51,7 +51,7 @@ log = logging.getLogger("teamrl.rollout")
 LATEST_POLL_S = 5.0  # ask the learner's latest endpoint after this long without an announcement
 
 
-class RolloutConfigError(ValueError):
+class RolloutConfigError(ConfigError):
     """The rollout config file or a flag is wrong; the message names the field."""
 
 
@@ -634,32 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config(path: str | None, overrides: list[str]) -> RolloutConfig:
-    data: dict[str, Any] = {}
-    if path:
-        p = Path(path)
-        try:
-            raw = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise RolloutConfigError(f"config file {path!r} does not exist") from None
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            raise RolloutConfigError(f"config file {path!r} is not readable TOML: {e}") from None
-        data = dict(raw.get("rollout", {}))
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise RolloutConfigError(f"override {item!r}: expected KEY=VALUE, e.g. group_size=8")
-        try:
-            data[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            data[key] = value
-    try:
-        return RolloutConfig.model_validate(data)
-    except ValidationError as e:
-        lines = [f"invalid rollout config: {e.error_count()} problem(s)"]
-        for err in e.errors():
-            loc = ".".join(["rollout", *(str(x) for x in err["loc"])])
-            lines.append(f"  - {loc}: got {err.get('input')!r:.80}; expected: {err['msg']}")
-        raise RolloutConfigError("\n".join(lines)) from None
+    """The ``[rollout]`` table of ``path`` (none: defaults) plus ``--set`` overrides."""
+    return load_section(RolloutConfig, path, "rollout", overrides, error=RolloutConfigError)
 
 
 def main(argv: list[str] | None = None) -> int:
