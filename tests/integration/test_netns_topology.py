@@ -122,12 +122,14 @@ class Topology:
 class Proc:
     """One service, started with ``ip netns exec`` in its own session (vLLM has children)."""
 
-    def __init__(self, name: str, ns: str, argv: list[str], log: Path) -> None:
+    def __init__(
+        self, name: str, ns: str, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.log = name, log
         self._out = log.open("w")
         dist = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
-        env = {k: v for k, v in os.environ.items() if k not in dist}  # not an in-process test's rendezvous
-        env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        base = {k: v for k, v in os.environ.items() if k not in dist}  # not an in-process test's rendezvous
+        env = base | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
         self.p = subprocess.Popen(
             ["ip", "netns", "exec", ns, *argv],
             stdout=self._out,
@@ -302,6 +304,13 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
             *("--set", "drain_timeout_s=20", "--set", "flush_timeout_s=20"),
         ]
 
+    def rollout_env(i: int) -> dict[str, str]:
+        """Each rollout's vLLM worker on its own core, as each pod has its own cpuset under
+        Kubernetes. Left to vLLM's "auto", both engines bind their worker to core 0 (reserving
+        core 1 for their schedulers), and one of the two then sometimes never finishes starting."""
+        cores = sorted(os.sched_getaffinity(0))
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+
     t_begin = time.time()
     try:
         net.up()
@@ -341,7 +350,7 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
         started: dict[str, float] = {}
         restarts: dict[str, int] = {}
         for i, host in enumerate(("roll-a", "roll-b")):
-            procs[host] = Proc(host, net.ns(host), rollout_argv(i), logs / f"{host}.log")
+            procs[host] = Proc(host, net.ns(host), rollout_argv(i), logs / f"{host}.log", rollout_env(i))
             started[host] = time.time()
 
         # --- 1. found each other by address --------------------------------------------------
@@ -364,9 +373,8 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
                 )
             restarts[host] = 1
             procs[host].kill()
-            procs[host] = Proc(
-                host, net.ns(host), rollout_argv(("roll-a", "roll-b").index(host)), logs / f"{host}.log"
-            )
+            i = ("roll-a", "roll-b").index(host)
+            procs[host] = Proc(host, net.ns(host), rollout_argv(i), logs / f"{host}.log", rollout_env(i))
             started[host] = time.time()
 
         def all_connected() -> bool:
