@@ -16,7 +16,10 @@ received *and processed* here.
           does with a frame) -> ack;
 * pickle: pickle.dumps(protocol 5) -> DEALER -> ROUTER -> pickle.loads (no validation at all);
 * frames: (diagnostic, not in the ratio) the pre-encoded payloads through ZmqDataSender ->
-          ZmqDataReceiver -> ack, no encode or decode: what the transport itself costs.
+          ZmqDataReceiver -> ack, no encode or decode: what the transport itself costs;
+* enc-only, dec-only: (diagnostics) the codec path with one side's work left out: the sender
+          encodes and the receiver only acks, or the sender sends the pre-encoded payloads and the
+          receiver decodes. Their ratios to raw show which side bounds the codec path.
 
 The "alone" line times each stage of the codec path in one thread, without transport, and also
 ``decode_trajectories`` (the same checks, then a Python object per step: what a consumer that
@@ -47,7 +50,7 @@ from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
 
 HWM = 64
 WINDOW = 16
-PATHS = ("raw", "codec", "pickle", "frames")
+PATHS = ("raw", "codec", "pickle", "frames", "enc-only", "dec-only")
 
 
 def make_batches(n_batches: int, steps_per_batch: int, tokens: int) -> list[list]:
@@ -117,7 +120,7 @@ def sender_main(conn: Connection, n_batches: int, steps: int, tokens: int) -> No
             _send_plain(conn, endpoint, payloads, rounds, lambda p: p)
         elif path == "pickle":
             _send_plain(conn, endpoint, batches, rounds, lambda b: pickle.dumps(b, protocol=5))
-        elif path == "frames":
+        elif path in ("frames", "dec-only"):
             _send_codec(conn, endpoint, payloads, rounds, lambda p: p)
         else:
             _send_codec(conn, endpoint, batches, rounds, encode_trajectories_buffer)
@@ -171,10 +174,10 @@ def _recv_codec(conn: Connection, path: str, total: int, rounds: int, process: C
 
 def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> float:
     total = n_batches * rounds
-    if path == "codec":
-        return _recv_codec(conn, "codec", total, rounds, decode_batches)
-    if path == "frames":
-        return _recv_codec(conn, "frames", total, rounds, lambda payload: None)
+    if path in ("codec", "dec-only"):
+        return _recv_codec(conn, path, total, rounds, decode_batches)
+    if path in ("frames", "enc-only"):
+        return _recv_codec(conn, path, total, rounds, lambda payload: None)
     if path == "raw":
         return _recv_plain(conn, "raw", total, rounds, lambda frame: None)
     return _recv_plain(conn, "pickle", total, rounds, lambda frame: pickle.loads(frame.buffer))
@@ -253,6 +256,10 @@ def main() -> None:
     print(
         f"codec/raw = {ratio:.3f} (per trial {per_trial[0]:.3f}..{per_trial[-1]:.3f})   "
         f"pickle/raw = {med['raw'] / med['pickle']:.3f}"
+    )
+    print(
+        f"bound: enc-only/raw = {med['raw'] / med['enc-only']:.3f}   "
+        f"dec-only/raw = {med['raw'] / med['dec-only']:.3f}   (the lower one is the side that limits codec)"
     )
     print(f"transport_ratio={ratio:.4f}")
 
