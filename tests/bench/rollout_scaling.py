@@ -30,6 +30,7 @@ from pathlib import Path
 
 from teamrl.protocol.codec import decode_trajectories
 from teamrl.protocol.zmq_transport import ZmqDataReceiver
+from teamrl.rollout.cpus import core_shares
 
 
 def free_port() -> int:
@@ -59,20 +60,6 @@ def ready(port: int) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def core_shares(n: int) -> list[str | None]:
-    """Service i's cores, as a VLLM_CPU_OMP_THREADS_BIND list: a contiguous share when n <= cores,
-    else round robin. One service gets ``None`` (vLLM's own binding): its share is the whole
-    machine, and vLLM's choice leaves a core to the engine's front end (measured faster than
-    binding the worker to every core: 1,510 vs 1,254 tok/s on 2 cores)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if n == 1:
-        return [None]
-    if n >= len(cores):
-        return [str(cores[i % len(cores)]) for i in range(n)]
-    per = len(cores) // n
-    return [",".join(map(str, cores[i * per : (i + 1) * per])) for i in range(n)]
 
 
 def measure(n: int, window: float, logs: Path, threads: int, bind: str) -> dict:

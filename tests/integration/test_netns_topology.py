@@ -42,6 +42,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from teamrl.rollout.cpus import core_shares
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,12 +306,13 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
             *("--set", "drain_timeout_s=20", "--set", "flush_timeout_s=20"),
         ]
 
+    shares = core_shares(2)
+
     def rollout_env(i: int) -> dict[str, str]:
         """Each rollout's vLLM worker on its own core, as each pod has its own cpuset under
         Kubernetes. Left to vLLM's "auto", both engines bind their worker to core 0 (reserving
         core 1 for their schedulers), and one of the two then sometimes never finishes starting."""
-        cores = sorted(os.sched_getaffinity(0))
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+        return {"VLLM_CPU_OMP_THREADS_BIND": shares[i]}
 
     t_begin = time.time()
     try:

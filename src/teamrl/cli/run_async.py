@@ -31,6 +31,7 @@ from typing import Any
 from teamrl.cli.plots import read_jsonl
 from teamrl.cli.run import reward_kwargs
 from teamrl.cli.supervisor import Service, Supervisor
+from teamrl.rollout.cpus import core_shares
 
 MAX_RESTARTS = 3  # a rollout that dies (e.g. its vLLM engine) is started again this many times
 STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
@@ -269,6 +270,15 @@ def run_async(args: argparse.Namespace) -> int:
                 lenv,
             )
         )
+    # Rollouts on this machine get disjoint cores: left to vLLM's automatic binding, every engine
+    # binds its worker to the same core(s). An operator's own VLLM_CPU_OMP_THREADS_BIND wins.
+    shares = core_shares(args.rollouts)
+    rollout_env = [
+        env
+        if share is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ
+        else {**env, "VLLM_CPU_OMP_THREADS_BIND": share}
+        for share in shares
+    ]
     for i in range(args.rollouts):
         extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep["sample"]}"']
         if i == 0:
@@ -294,7 +304,7 @@ def run_async(args: argparse.Namespace) -> int:
                     *extra,
                 ],
                 logs / f"rollout-{i}.log",
-                env,
+                rollout_env[i],
             )
         )
     print(

@@ -59,8 +59,8 @@ STATS_INTERVAL_S = 2.0
 POLL_MS = 10  # longest a quiet socket is waited on per loop turn (two sockets: ~20 ms per idle turn)
 MAX_FRAMES_PER_TURN = 64  # frames taken in before requests get a turn
 MAX_REQUESTS_PER_TURN = 16
-ACK_FLUSH_S = 0.2
-PRODUCER_TIMEOUT_S = 15.0  # a rollout silent this long (no heartbeat) counts as gone  # on exit, time for the last acks to leave (sockets close with LINGER 0)
+ACK_FLUSH_S = 0.2  # on exit, time for the last acks to leave (sockets close with LINGER 0)
+PRODUCER_TIMEOUT_S = 15.0  # a rollout silent this long (no heartbeat) counts as gone
 
 
 class ConfigError(SharedConfigError):

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from teamrl.rollout.cpus import configure_vllm_cpu_threads
+
 log = logging.getLogger("teamrl.rollout.engine")
 
 
@@ -133,6 +135,7 @@ class RolloutEngine:
             seed=self.cfg.seed,
             **self.cfg.extra,
         )
+        configure_vllm_cpu_threads()  # before vLLM spawns its engine process, which inherits it
         self._llm = AsyncLLM.from_engine_args(args)
         await self.generate([1, 2], Sampling(max_tokens=2), adapter="")
 
