@@ -98,10 +98,16 @@ class BufferConfig(BaseModel):
         1, ge=1, description="Episodes per group_id; a group becomes sampleable only when complete."
     )
     group_timeout_s: float = Field(
-        120.0, gt=0, description="A group still incomplete after this long is dropped (counted)."
+        120.0,
+        gt=0,
+        description="A group still incomplete after this long is released for sampling as it is "
+        "(counted in teamrl_buffer_groups_timed_out).",
     )
     max_pending_groups: int = Field(
-        10_000, ge=1, description="Incomplete groups held at once; past it the oldest is dropped (counted)."
+        10_000,
+        ge=1,
+        description="Incomplete groups held at once; past it the oldest is released as it is "
+        "(counted as timed out).",
     )
 
     # --- persistence ----------------------------------------------------------------------------

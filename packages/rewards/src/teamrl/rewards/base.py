@@ -12,8 +12,8 @@ Call sequence::
     res = r(completion_text, {"answer": "42"})
     res.score, res.reason, res.details
 
-Registry entries are factories taking keyword arguments, so configs stay out of the classes
-(``config.build_reward`` turns a ``RewardConfig`` into these keyword arguments).
+Registry entries are factories taking keyword arguments, so configs stay out of the classes: a
+caller passes a config table's keys straight through (``get_reward(name, **table)``).
 """
 
 from __future__ import annotations

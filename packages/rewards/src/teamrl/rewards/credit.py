@@ -123,6 +123,38 @@ Answer with a single JSON object and nothing else, of the form
 where each credit is a non-negative number giving that agent's share of the contribution."""
 
 
+def judge_prompt(
+    steps: Sequence[Mapping[str, Any]],
+    outcome: Any,
+    team_reward: float,
+    *,
+    max_chars_per_step: int = 2000,
+    template: str = JUDGE_TEMPLATE,
+) -> str:
+    """The judge's prompt: the transcript (each message cut to its last ``max_chars_per_step``
+    characters), the outcome and the agents whose shares it must give. Callers whose model call
+    is async (the rollout's episodes) use this directly; ``JudgeCredit`` wraps a sync one."""
+    agents = _agents(steps)
+    lines = []
+    for i, step in enumerate(steps):
+        text = str(step.get("text", ""))
+        if len(text) > max_chars_per_step:
+            text = "[...] " + text[-max_chars_per_step:]
+        text = text.replace("</message>", "</ message>")
+        lines.append(
+            f'<message index="{i}" agent="{step["agent_id"]}" role="{step.get("role", step["agent_id"])}">\n'
+            f"{text}\n</message>"
+        )
+    outcome_text = outcome if isinstance(outcome, str) else json.dumps(outcome, default=str)
+    return template.format(
+        outcome=outcome_text,
+        team_reward=team_reward,
+        agents=", ".join(agents),
+        transcript="\n".join(lines),
+        example=", ".join(f'"{a}": <number>' for a in agents),
+    )
+
+
 class JudgeCredit:
     """Language-model credit assignment with a counted fallback to ``equal_split``.
 
@@ -145,24 +177,8 @@ class JudgeCredit:
         self._lock = threading.Lock()
 
     def build_prompt(self, steps: Sequence[Mapping[str, Any]], outcome: Any, team_reward: float) -> str:
-        agents = _agents(steps)
-        lines = []
-        for i, step in enumerate(steps):
-            text = str(step.get("text", ""))
-            if len(text) > self.max_chars_per_step:
-                text = "[...] " + text[-self.max_chars_per_step :]
-            text = text.replace("</message>", "</ message>")
-            lines.append(
-                f'<message index="{i}" agent="{step["agent_id"]}" role="{step.get("role", step["agent_id"])}">\n'
-                f"{text}\n</message>"
-            )
-        outcome_text = outcome if isinstance(outcome, str) else json.dumps(outcome, default=str)
-        return self.template.format(
-            outcome=outcome_text,
-            team_reward=team_reward,
-            agents=", ".join(agents),
-            transcript="\n".join(lines),
-            example=", ".join(f'"{a}": <number>' for a in agents),
+        return judge_prompt(
+            steps, outcome, team_reward, max_chars_per_step=self.max_chars_per_step, template=self.template
         )
 
     def __call__(self, steps: Sequence[Mapping[str, Any]], outcome: Any, team_reward: float) -> CreditResult:

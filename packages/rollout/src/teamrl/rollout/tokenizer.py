@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+MAX_SHOWN_CHARS = 16  # an English text in a 17-symbol vocabulary would otherwise list ~60 characters
+
 
 class TokenizerError(ValueError):
     """Text the tokenizer cannot encode, or a tokenizer folder that cannot be read."""
@@ -63,8 +65,10 @@ class CharTokenizer:
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         bad = sorted({c for c in text if c not in self._index})
         if bad:
+            more = f" and {len(bad) - MAX_SHOWN_CHARS} more" if len(bad) > MAX_SHOWN_CHARS else ""
             raise TokenizerError(
-                f"characters {bad!r} are not in the char vocabulary {''.join(self.chars)!r} (text {text!r:.80})"
+                f"{len(bad)} character(s) not in the char vocabulary {''.join(self.chars)!r}: "
+                f"{''.join(bad[:MAX_SHOWN_CHARS])!r}{more} (text {text!r:.80})"
             )
         ids = [self._index[c] for c in text]
         return [self.bos, *ids] if add_special else ids

@@ -1137,9 +1137,8 @@ async def _assign_credit(
         return [by[a] for a in agents], meta
     # judge: a model of this workflow, base weights, reads the transcript and apportions the outcome
     model_id = spec.judge_model or wf.agents[0].model
-    judge = C.JudgeCredit(generate=lambda prompt: prompt)  # used for its prompt only
     steps = [{"agent_id": v.agent_id, "role": v.role, "text": v.text} for v in views]
-    prompt = judge.build_prompt(steps, "success" if team > 0 else "failure", team)
+    prompt = C.judge_prompt(steps, "success" if team > 0 else "failure", team)
     reason, critique = "ok", ""
     try:
         tok = _tokenizer_for(tokenizers, model_id)
