@@ -68,14 +68,14 @@ def measure(n: int, window: float, logs: Path, threads: int, bind: str) -> dict:
     rx = ZmqDataReceiver(data)
     ports = [free_port() for _ in range(n)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    shares = core_shares(n) if bind == "split" else [None] * n
+    shares = core_shares(n) if bind == "split" else [{}] * n
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "teamrl.cli.main", "rollout", "--buffer", data, "--weights", weights,
              "--metrics-port", str(ports[i]), "--set", f"replica={i}", "--set", f"num_replicas={n}",
              "--set", "drain_timeout_s=0.0"],
             stdout=open(logs / f"n{n}-rollout{i}.log", "wb"), stderr=subprocess.STDOUT,
-            env=env if shares[i] is None else {**env, "VLLM_CPU_OMP_THREADS_BIND": shares[i]},
+            env={**env, **shares[i]},
         )
         for i in range(n)
     ]  # fmt: skip

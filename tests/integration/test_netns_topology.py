@@ -312,7 +312,7 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
         """Each rollout's vLLM worker on its own core, as each pod has its own cpuset under
         Kubernetes. Left to vLLM's "auto", both engines bind their worker to core 0 (reserving
         core 1 for their schedulers), and one of the two then sometimes never finishes starting."""
-        return {"VLLM_CPU_OMP_THREADS_BIND": shares[i]}
+        return shares[i]
 
     t_begin = time.time()
     try:

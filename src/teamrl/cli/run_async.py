@@ -272,13 +272,7 @@ def run_async(args: argparse.Namespace) -> int:
         )
     # Rollouts on this machine get disjoint cores: left to vLLM's automatic binding, every engine
     # binds its worker to the same core(s). An operator's own VLLM_CPU_OMP_THREADS_BIND wins.
-    shares = core_shares(args.rollouts)
-    rollout_env = [
-        env
-        if share is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ
-        else {**env, "VLLM_CPU_OMP_THREADS_BIND": share}
-        for share in shares
-    ]
+    rollout_env = [{**env, **share} for share in core_shares(args.rollouts)]
     for i in range(args.rollouts):
         extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep["sample"]}"']
         if i == 0:

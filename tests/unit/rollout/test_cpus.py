@@ -54,8 +54,13 @@ def test_vllm_binding_is_kept_without_a_quota_an_exclusive_cpuset_or_an_operator
 
 
 def test_core_shares_are_disjoint_and_one_service_keeps_vllms_choice() -> None:
-    assert core_shares(1, [0, 1]) == [None]
-    assert core_shares(2, [0, 1]) == ["0", "1"]
-    assert core_shares(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
-    assert core_shares(3, [4, 5, 6, 7, 8, 9]) == ["4,5", "6,7", "8,9"]
-    assert core_shares(4, [0, 1]) == ["0", "1", "0", "1"]  # more services than cores: round robin
+    def lists(n: int, cores: list[int], environ: dict[str, str] | None = None) -> list[str | None]:
+        return [e.get("VLLM_CPU_OMP_THREADS_BIND") for e in core_shares(n, cores, environ or {})]
+
+    assert lists(1, [0, 1]) == [None]
+    assert lists(2, [0, 1]) == ["0", "1"]
+    assert lists(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert lists(3, [4, 5, 6, 7, 8, 9]) == ["4,5", "6,7", "8,9"]
+    assert lists(4, [0, 1]) == ["0", "1", "0", "1"]  # more services than cores: round robin
+    # the operator's own binding wins: nothing is added
+    assert lists(2, [0, 1], {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}) == [None, None]
