@@ -15,7 +15,8 @@ asyncio loop plus one sender thread::
     sender       the thread that owns the ZeroMQ DEALER (credit window, acks, resend after reconnect)
     SIGTERM      /readyz turns false, no new groups start; groups in flight get ``drain_timeout_s``
                  to finish, the rest are cancelled (a cancelled episode is never published, in part
-                 or whole); the sender waits for the buffer's acks; exit 0.
+                 or whole); the sender gets ``flush_timeout_s`` to send what is queued and have
+                 it acked; exit 0, or 1 when frames were left un-acknowledged (logged, counted).
 
 HTTP on ``--metrics-port``: /metrics (Prometheus), /healthz (the loop is alive), /readyz (a policy is
 being served, the engine is up and the service is not draining).
@@ -71,7 +72,11 @@ class RolloutConfig(BaseModel):
     seed: int = Field(0, description="seeds task order and sampling")
     window: int = Field(16, ge=1, description="frames in flight to the buffer before sending blocks")
     drain_timeout_s: float = Field(30.0, ge=0, description="time groups in flight get to finish on SIGTERM")
-    flush_timeout_s: float = Field(30.0, ge=0, description="time to wait for the buffer's acks on exit")
+    flush_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on exit, time to send what is queued and have it acked (queue included)",
+    )
     max_lora_rank: int = Field(8, ge=1, description="largest LoRA rank the engine accepts")
     keep_versions: int = Field(2, ge=1, description="adapter versions kept loaded")
     kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1, description="vLLM CPU KV cache size")
@@ -109,12 +114,26 @@ class _Sender(threading.Thread):
         self.connected = threading.Event()
 
     def run(self) -> None:
+        """Send until stopped; then ``flush_timeout_s`` in all for the queued frames and their acks.
+
+        The exit deadline covers the queue too: after a long cut the queue can hold hundreds of
+        frames, and sending them all at the buffer's ingest rate took 88 s in the topology test,
+        past any grace period. What is not acked by the deadline is counted in ``lost``."""
         from teamrl.protocol.zmq_transport import ZmqDataSender
 
         sender = ZmqDataSender(self.endpoint, self.incarnation, window=self.window)
         acked_seen = 0
+        deadline: float | None = None
+        unsent = 0
         try:
-            while not (self.stop_event.is_set() and self.q.empty()):
+            while True:
+                if self.stop_event.is_set():
+                    deadline = deadline or time.monotonic() + self.flush_timeout_s
+                    if self.q.empty() or time.monotonic() >= deadline:
+                        break
+                    if sender.unacked >= self.window:  # send would block past the deadline
+                        sender.flush(min(0.05, max(0.0, deadline - time.monotonic())))
+                        continue
                 try:
                     payload = self.q.get(timeout=0.05)
                 except queue.Empty:
@@ -128,11 +147,18 @@ class _Sender(threading.Thread):
                 acked_seen = sender.acked
                 self.unacked = sender.unacked
                 M.PUBLISH_QUEUE.set(self.q.qsize() + sender.unacked)
-            if not sender.flush(self.flush_timeout_s):
-                log.warning("%d frames not acknowledged after %.0f s", sender.unacked, self.flush_timeout_s)
+            unsent = self.q.qsize()
+            left = max(0.0, deadline - time.monotonic()) if deadline else self.flush_timeout_s
+            if not sender.flush(left) or unsent:
+                log.warning(
+                    "%d frames not acknowledged after %.0f s (%d of them never sent)",
+                    sender.unacked + unsent,
+                    self.flush_timeout_s,
+                    unsent,
+                )
             M.FRAMES_ACKED.inc(sender.acked - acked_seen)
         finally:
-            self.lost = sender.close()
+            self.lost = sender.close() + unsent
             M.PUBLISH_QUEUE.set(self.lost)
 
     def put(self, payload: bytes) -> None:
