@@ -27,7 +27,10 @@ wants objects pays). ``--threads`` runs the sender as a thread of this process i
 one GIL, which the services never do. Trials interleave the three paths; the median time of each
 is reported (this machine is shared, single runs are noisy). Prints MB/s (of Arrow payload bytes),
 trajectories/s and the ratio codec / raw. The last line is exactly ``transport_ratio=<float>``.
-A script, not a test: nothing here asserts a timing.
+The "cpu" lines add each side's CPU time per batch (user + system, all threads of the process:
+ZeroMQ's I/O threads and the kernel's loopback copies included) and the ceiling it implies: a path
+that costs c CPU-seconds per batch cannot move more than cores / c batches a second, whatever
+overlaps. A script, not a test: nothing here asserts a timing.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing
+import os
 import pickle
+import resource
 import statistics
 import threading
 import time
@@ -50,6 +55,7 @@ from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
 
 HWM = 64
 WINDOW = 16
+TARGET = 0.5  # the issue's codec/raw target
 PATHS = ("raw", "codec", "pickle", "frames", "enc-only", "dec-only")
 
 
@@ -74,6 +80,12 @@ def digest(payloads: list) -> str:
     return h.hexdigest()
 
 
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this whole process so far: every thread, ZeroMQ's I/O threads too."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 # --------------------------------------------------------------------------------------------
 # sender side (a spawned process, or a thread with --threads)
 
@@ -85,13 +97,15 @@ def _send_plain(conn: Connection, endpoint: str, items: list, rounds: int, make:
     dealer.connect(endpoint)
     dealer.send(b"warm-up")
     conn.recv()  # go
+    c0 = cpu_s()
     for _ in range(rounds):
         for item in items:
             dealer.send(make(item), copy=False)
     conn.recv()  # the receiver has everything: closing cannot drop a message now
+    cpu = cpu_s() - c0
     dealer.close(0)
     ctx.term()
-    conn.send("closed")
+    conn.send(cpu)
 
 
 def _send_codec(conn: Connection, endpoint: str, items: list, rounds: int, make: Callable) -> None:
@@ -99,14 +113,16 @@ def _send_codec(conn: Connection, endpoint: str, items: list, rounds: int, make:
     sender.send(encode_trajectories_buffer([]))  # warm-up
     sender.flush(60)
     conn.recv()  # go
+    c0 = cpu_s()
     for _ in range(rounds):
         for item in items:
             sender.send(make(item))
     if not sender.flush(60):
         raise RuntimeError(f"codec sender: {sender.unacked} frames never acked")
     conn.recv()
+    cpu = cpu_s() - c0
     sender.close()
-    conn.send("closed")
+    conn.send(cpu)
 
 
 def sender_main(conn: Connection, n_batches: int, steps: int, tokens: int) -> None:
@@ -127,10 +143,13 @@ def sender_main(conn: Connection, n_batches: int, steps: int, tokens: int) -> No
 
 
 # --------------------------------------------------------------------------------------------
-# receiver side (this process); each returns the seconds from "go" to the last message processed
+# receiver side (this process); each returns (seconds from "go" to the last message processed,
+# CPU seconds of this process over that time, CPU seconds of the sender process over its part)
 
 
-def _recv_plain(conn: Connection, path: str, total: int, rounds: int, process: Callable) -> float:
+def _recv_plain(
+    conn: Connection, path: str, total: int, rounds: int, process: Callable
+) -> tuple[float, float, float]:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.RCVHWM, HWM)
@@ -138,18 +157,20 @@ def _recv_plain(conn: Connection, path: str, total: int, rounds: int, process: C
     conn.send((path, f"tcp://127.0.0.1:{port}", rounds))
     router.recv_multipart()  # warm-up
     conn.send("go")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     for _ in range(total):
         process(router.recv_multipart(copy=False)[1])
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_s() - c0
     conn.send("done")
-    conn.recv()
+    sender_cpu = conn.recv()
     router.close(0)
     ctx.term()
-    return dt
+    return dt, cpu, sender_cpu
 
 
-def _recv_codec(conn: Connection, path: str, total: int, rounds: int, process: Callable) -> float:
+def _recv_codec(
+    conn: Connection, path: str, total: int, rounds: int, process: Callable
+) -> tuple[float, float, float]:
     recv = ZmqDataReceiver("tcp://127.0.0.1:0", hwm=HWM)
     conn.send((path, recv.endpoint, rounds))
 
@@ -162,17 +183,17 @@ def _recv_codec(conn: Connection, path: str, total: int, rounds: int, process: C
 
     one()  # warm-up
     conn.send("go")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     for _ in range(total):
         one()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_s() - c0
     conn.send("done")
-    conn.recv()
+    sender_cpu = conn.recv()
     recv.close()
-    return dt
+    return dt, cpu, sender_cpu
 
 
-def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> float:
+def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> tuple[float, float, float]:
     total = n_batches * rounds
     if path in ("codec", "dec-only"):
         return _recv_codec(conn, path, total, rounds, decode_batches)
@@ -181,6 +202,33 @@ def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> float:
     if path == "raw":
         return _recv_plain(conn, "raw", total, rounds, lambda frame: None)
     return _recv_plain(conn, "pickle", total, rounds, lambda frame: pickle.loads(frame.buffer))
+
+
+def report_cpu(cpu: dict[str, list[tuple[float, float]]], med: dict[str, float], messages: int) -> None:
+    """CPU per batch on each side (median over trials) and the ceiling the cores put on codec/raw.
+
+    However well encode and decode overlap, a path that costs ``c`` CPU-seconds per batch moves at
+    most ``cores / c`` batches a second, so codec/raw <= cores * (raw seconds per batch) / c.
+    """
+    cores = len(os.sched_getaffinity(0))
+    per = {p: tuple(statistics.median(x[i] for x in cpu[p]) / messages * 1e3 for i in (0, 1)) for p in PATHS}
+    print(
+        "cpu ms/batch (receiver + sender): "
+        + "   ".join(f"{p} {r:.2f}+{s:.2f}" for p, (r, s) in per.items() if p != "pickle")
+    )
+    raw_s = med["raw"] / messages * 1e3
+    ceiling = cores * raw_s / sum(per["codec"])
+    print(
+        f"ceiling: codec uses {sum(per['codec']):.2f} CPU-ms per batch; on {cores} cores it can reach at most "
+        f"{ceiling:.2f} of raw ({raw_s:.2f} ms/batch) even with perfect overlap"
+    )
+    # dec-only is the codec path with an encoder that costs nothing: what is left for encoding
+    budget = cores * raw_s / TARGET - sum(per["dec-only"])
+    encode = per["enc-only"][1] - per["frames"][1]
+    print(
+        f"for {TARGET}: with a free encoder the ceiling is {cores * raw_s / sum(per['dec-only']):.2f}; "
+        f"encoding may then cost {budget:.2f} CPU-ms per batch; it costs {encode:.2f} in the sender"
+    )
 
 
 def main() -> None:
@@ -239,9 +287,12 @@ def main() -> None:
         raise RuntimeError("the sender built different batches")
 
     times: dict[str, list[float]] = {p: [] for p in PATHS}
+    cpu: dict[str, list[tuple[float, float]]] = {p: [] for p in PATHS}  # (receiver, sender) CPU s
     for _ in range(trials):
         for path in PATHS:
-            times[path].append(run_path(here, path, n_batches, rounds))
+            dt, recv_cpu, send_cpu = run_path(here, path, n_batches, rounds)
+            times[path].append(dt)
+            cpu[path].append((recv_cpu, send_cpu))
     here.send(None)
     sender.join(30)
 
@@ -261,6 +312,8 @@ def main() -> None:
         f"bound: enc-only/raw = {med['raw'] / med['enc-only']:.3f}   "
         f"dec-only/raw = {med['raw'] / med['dec-only']:.3f}   (the lower one is the side that limits codec)"
     )
+    if not args.threads:
+        report_cpu(cpu, med, n_batches * rounds)
     print(f"transport_ratio={ratio:.4f}")
 
 
