@@ -278,7 +278,8 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    # the GPU index on this host, not the global rank: a one-GPU pod of rank 1 has only cuda:0
+    os.environ.setdefault("LOCAL_RANK", "0")
     if os.environ.get("MASTER_ADDR", "").startswith(("127.", "localhost")):
         # All ranks on this host: gloo must not pick its interface by resolving the hostname, which
         # in a container or a network namespace can name an address that is not up (ranks then wait).
@@ -431,7 +432,8 @@ class LearnerEngine:
             raise LearnerError(f"no optimiser settings for adapters {missing}")
         self.adapters = list(adapters)
         self.settings = dict(adapter_settings)
-        self.device = torch.device(device if device == "cpu" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this host's GPU index (0 in a one-GPU pod)
+        self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", local_rank)
         self.micro_batch_rows = micro_batch_rows
         self.temperature = temperature
         self.algorithm = algorithm

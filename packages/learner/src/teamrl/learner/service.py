@@ -42,6 +42,32 @@ log = logging.getLogger("teamrl.learner")
 DONE = "DONE"
 SAMPLE_POLL_S = 0.05
 
+# bfloat16's machine epsilon (torch.finfo(torch.bfloat16).eps = 2**-7): 8 significand bits, so a
+# value is stored to within half of it relative to itself.
+BF16_EPS = 2.0**-7
+
+
+def probe_atol(dtype: str) -> float:
+    """Tolerance the receiver's probe log-probs must meet, by the learner's model ``dtype``.
+
+    float32: 1e-3 (the two sides run the same weights through different kernels). bfloat16: 4 eps
+    (0.031). A logit is rounded to within eps/2 of itself, and a log-prob is a difference of such
+    values, so the learner and a receiver that computes the same adapter with other kernels (or keeps
+    the LoRA weights in float32, as PEFT does by default) differ by a few eps/2 at most; measured on
+    an H200 with a Qwen2.5-0.5B-shaped model: 4e-3. A wrong or stale adapter moves log-probs by far
+    more than this.
+    """
+    return 4 * BF16_EPS if dtype == "bfloat16" else 1e-3
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a CUDA device, else ``cpu``; ``cpu``/``cuda`` unchanged."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class LearnerService:
     """One learner rank. ``LearnerService(cfg, ...).run()`` returns the exit code."""
@@ -224,7 +250,7 @@ class LearnerService:
                 prompt_ids=list(self.cfg.probe_prompt),
                 completion_ids=list(self.cfg.probe_completion),
                 expected_logprobs=expected,
-                atol=1e-3,
+                atol=probe_atol(self.cfg.dtype),
             ),
             base_model=self.model,
         )
@@ -389,7 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run-dir", default="runs/learner", help="metrics.jsonl, adapters/, checkpoints/")
     p.add_argument("--model", default=None, help="model folder (default: [learner] base_model or embedded)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto (default): cuda when torch sees a GPU, else cpu",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port, 0 = off")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--sample-timeout", type=float, default=600.0, help="seconds without data before failing")
@@ -426,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         publish=args.publish,
         run_dir=Path(args.run_dir),
         model=args.model,
-        device=args.device,
+        device=resolve_device(args.device),
         sample_timeout_s=args.sample_timeout,
         tensorboard=Path(args.tensorboard) if args.tensorboard else None,
     )
