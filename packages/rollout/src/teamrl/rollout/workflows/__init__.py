@@ -35,7 +35,15 @@ from teamrl.rollout.workflows.search import SEARCH_QA
 BUILTIN: dict[str, dict[str, Any]] = {
     d["name"]: d for d in (ADDITION_DUO, ADDITION_TRIO, MATH_DUO, MATH_TRIO, CODE_REFLECT, SEARCH_QA)
 }
-TASK_SETS = ("addition", "addition-held-out", "math-gen", "humaneval", "search-qa")
+TASK_SETS = (
+    "addition",
+    "addition-held-out",
+    "math-gen",
+    "math-word",
+    "math-word-held-out",
+    "humaneval",
+    "search-qa",
+)
 
 __all__ = ["BUILTIN", "TASK_SETS", "data_path", "humaneval_source", "load", "load_tasks", "names", "shard"]
 
@@ -80,7 +88,9 @@ def load_tasks(
     """Tasks of a built-in set (``TASK_SETS``) or of a JSONL/Parquet file (``path``, format ``fmt``).
 
     ``addition`` is the training split of ``teamrl.rewards.addition.split_tasks`` (held-out pairs
-    excluded; ``addition-held-out`` is the other part); ``math-gen`` is ``n`` generated problems.
+    excluded; ``addition-held-out`` is the other part); ``math-gen`` is ``n`` generated problems;
+    ``math-word`` is ``5 n`` multi-step word problems and ``math-word-held-out`` ``n / 2`` others whose
+    arithmetic never occurs in ``math-word`` (``teamrl.rollout.workflows.wordproblems``).
     """
     if path is not None:
         return load_task_file(path, fmt)
@@ -93,6 +103,12 @@ def load_tasks(
         from teamrl.rollout.workflows.mathematics import generate
 
         return generate(n=n, seed=seed)
+    if source in ("math-word", "math-word-held-out"):
+        from teamrl.rollout.workflows import wordproblems
+
+        # train: 5000 problems by default; held-out: a fixed 500 (skeletons disjoint from train)
+        split = "train" if source == "math-word" else "held-out"
+        return wordproblems.generate(n=n * 5 if split == "train" else n // 2, seed=seed, split=split)
     if source == "humaneval":
         return load_task_file(humaneval_source()[0], "humaneval")
     if source == "search-qa":
