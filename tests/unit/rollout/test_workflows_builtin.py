@@ -72,11 +72,21 @@ def test_every_shipped_config_loads_and_builtins_match_their_file() -> None:
         assert wf.name == f.stem, f
         if f.stem in BUILTIN:
             assert wf == load(f.stem), f"{f} differs from the built-in {f.stem}"
-    assert names() == sorted(
-        ["addition-duo", "addition-trio", "math-duo", "math-trio", "code-reflect", "search-qa"]
-    )
-    with pytest.raises(WorkflowError, match=r"unknown built-in workflow 'nope'"):
+    assert set(BUILTIN) == {
+        "addition-duo",
+        "addition-trio",
+        "math-duo",
+        "math-trio",
+        "code-reflect",
+        "search-qa",
+    }
+    assert names() == sorted(f.stem for f in files)  # every shipped TOML loads by name too
+    for f in files:
+        assert load(f.stem) == load(f) == load(str(f)) == load_workflow(f)
+    with pytest.raises(WorkflowError, match=r"unknown workflow 'nope'.*addition-duo-shared"):
         load("nope")
+    with pytest.raises(WorkflowError, match=r"does not exist"):
+        load("missing/team.toml")
     assert load_workflow("addition-duo") == load("addition-duo")
 
 
@@ -88,9 +98,8 @@ def test_every_shipped_config_loads_and_builtins_match_their_file() -> None:
     [("52;", "1;"), ("53;", "0;"), ("0520;", "1;"), (";", "0;"), ("", "1"), ("5", "9;"), ("99999", ";")],
 )
 def test_addition_duo_is_exactly_the_episode_teamrl_run_trains_on(sol_text: str, ver_text: str) -> None:
-    """`teamrl run` (sync and async) runs addition-duo through teamrl.rollout.runner.WorkflowRunner:
-    the requests and the trajectory are the embedded task's, spelled out here by hand."""
-    from teamrl.cli import run as cli
+    """addition-duo through teamrl.rollout.runner.WorkflowRunner (what every rollout runs): the
+    requests and the trajectory are the embedded task's, spelled out here by hand."""
     from teamrl.rewards import addition
     from teamrl.rollout.runner import WorkflowRunner
 
@@ -101,8 +110,8 @@ def test_addition_duo_is_exactly_the_episode_teamrl_run_trains_on(sol_text: str,
     cand = addition.parse_answer(sol_text)[:3].rjust(3, "0")
 
     (p_s, samp_s, ad_s, seed_s), (p_v, samp_v, ad_v, seed_v) = backend.calls
-    assert p_s == cli.encode(addition.solver_prompt(task)) and (ad_s, seed_s) == ("solver-lora", 1234)
-    assert p_v == cli.encode(addition.verifier_prompt(task, cand)) and (ad_v, seed_v) == (
+    assert p_s == CHAR.encode(addition.solver_prompt(task)) and (ad_s, seed_s) == ("solver-lora", 1234)
+    assert p_v == CHAR.encode(addition.verifier_prompt(task, cand)) and (ad_v, seed_v) == (
         "verifier-lora",
         1235,
     )

@@ -5,11 +5,7 @@ shard, the held-out tasks, one episode as a :class:`GraphTrajectory` (through
 :func:`teamrl.rollout.workflow.run_episode`), and a greedy held-out evaluation. ``name_or_toml`` is a
 built-in workflow name (``teamrl.rollout.workflows.names()``) or a workflow TOML file.
 
-The embedded default is ``addition-duo``: the solver answers ``S07+45=`` with three digits; the
-verifier, whose step depends on the solver's (``parents=[0]``), judges ``V07+45=052?``; the solver
-is rewarded for a correct sum, the verifier for a correct verdict (:mod:`teamrl.rewards.addition`).
-
-Held-out tasks: the workflow's task set's own held-out split where it has one (``addition`` ->
+Held-out tasks (:func:`teamrl.rollout.team.split_tasks`): the workflow's task set's own held-out split where it has one (``addition`` ->
 ``addition-held-out``), else the last tenth of its tasks, which then are not trained on.
 """
 
@@ -19,24 +15,10 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from teamrl.rollout.workflows import load, load_tasks, shard, tasks_for
+from teamrl.rollout.team import split_tasks
+from teamrl.rollout.workflows import load, shard
 
-CHARS = list("0123456789+=;?SVR")
-BOS, EOS_ID = 1, 14
-SOLVER, VERIFIER = "solver", "verifier"
-ADAPTERS = {SOLVER: "solver-lora", VERIFIER: "verifier-lora"}
-HELD_OUT_SPLITS = {"addition": "addition-held-out"}
-
-__all__ = ["ADAPTERS", "EOS_ID", "SOLVER", "VERIFIER", "WorkflowRunner", "decode", "encode", "shard"]
-
-
-def encode(text: str) -> list[int]:
-    """The embedded model's character tokenizer: BOS, then one id per character."""
-    return [BOS] + [2 + CHARS.index(c) for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    return "".join(CHARS[i - 2] for i in ids if 2 <= i < 2 + len(CHARS))
+__all__ = ["WorkflowRunner", "shard"]
 
 
 class WorkflowRunner:
@@ -50,9 +32,9 @@ class WorkflowRunner:
         reward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from teamrl.rollout.tokenizer import tokenizer_for
-        from teamrl.rollout.workflow import Workflow, WorkflowError, load_workflow
+        from teamrl.rollout.workflow import Workflow, WorkflowError
 
-        wf = load_workflow(name) if name.endswith(".toml") else load(name)
+        wf = load(name)
         if len(wf.models) > 1:
             raise WorkflowError(
                 f"workflow {wf.name!r} maps agents to {len(wf.models)} base models; a rollout service "
@@ -73,13 +55,7 @@ class WorkflowRunner:
         if folder is None:
             raise WorkflowError("no model folder to take the tokenizer from")
         self.tokenizer = tokenizer_for(folder)
-        all_tasks = tasks_for(wf, path=tasks or None)
-        held_split = HELD_OUT_SPLITS.get(wf.tasks.builtin or "") if not tasks else None
-        if held_split:
-            self.train, self.held = all_tasks, load_tasks(held_split, seed=wf.tasks.seed)
-        else:
-            k = max(1, len(all_tasks) // 10) if len(all_tasks) > 1 else 0
-            self.train, self.held = all_tasks[: len(all_tasks) - k], all_tasks[len(all_tasks) - k :]
+        self.train, self.held = split_tasks(wf, tasks or None)
         self._seq = 0
         self.profile_version = -1  # -1: the workflow's own profiles; else the LangMARL version applied
 

@@ -140,12 +140,67 @@ class HFTokenizer:
         return [int(i) for i in out]
 
 
-def tokenizer_for(folder: str | Path, use_chat_template: bool = True) -> Tokenizer:
-    """The tokenizer of a model folder: the char vocabulary for a teamrl embedded model, else HF."""
+class FastTokenizer:
+    """A HuggingFace folder read without transformers: ``tokenizers`` + the chat template in jinja2.
+
+    Used where a second matters (``teamrl workflow check``, the launcher's checks and probe): it
+    imports in ~0.1 s where transformers takes ~5 s. Its ids are the folder's tokenizer's; the chat
+    rendering follows the template with ``add_generation_prompt=True``, like :class:`HFTokenizer`.
+    """
+
+    def __init__(self, folder: str | Path, use_chat_template: bool = True) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        folder = Path(folder)
+        try:
+            self._tok = _Tok.from_file(str(folder / "tokenizer.json"))
+            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        except Exception as e:  # tokenizers raises its own Exception type; json/OSError too
+            raise TokenizerError(f"cannot read a tokenizer from {folder}: {e}") from e
+        template = cfg.get("chat_template") if use_chat_template else None
+        if template is None and use_chat_template and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        self._template = template
+        self._specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token")}
+        eos = self._specials["eos_token"]
+        self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos else None
+        self.folder = str(folder)
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
+        if not self._template:
+            return None
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self._template).render(
+            messages=list(messages),
+            add_generation_prompt=True,
+            **{k: v or "" for k, v in self._specials.items()},
+        )
+        return self.encode(text, add_special=False)
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # {"content": "<|im_end|>", ...}
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def tokenizer_for(folder: str | Path, use_chat_template: bool = True, *, fast: bool = False) -> Tokenizer:
+    """The tokenizer of a model folder: the char vocabulary for a teamrl embedded model, else HF
+    (``fast=True``: :class:`FastTokenizer`, without transformers, when the folder has tokenizer.json)."""
     folder = Path(folder)
     marker = folder / "teamrl_model.json"
     if marker.is_file():
         meta = json.loads(marker.read_text())
         if str(meta.get("task", "")).endswith("addition"):
             return CharTokenizer()
+    if fast and (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        return FastTokenizer(folder, use_chat_template=use_chat_template)
     return HFTokenizer(folder, use_chat_template=use_chat_template)

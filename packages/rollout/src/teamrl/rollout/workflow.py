@@ -184,8 +184,15 @@ class GraphSpec(_Strict):
 
 
 class RewardSpec(_Strict):
+    """The reward function; ``answer_from`` names the agent whose output is the team's answer."""
+
     name: str = Field(description="a key of REWARD_FUNCTIONS, or 'module:factory'")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    answer_from: str = Field(
+        "",
+        description="agent id whose last act is the team's answer (its score is the trajectory reward); "
+        "'' = the reward's role rule (the last act of role 'solver' / kwargs.answer_role)",
+    )
 
 
 class CreditSpec(_Strict):
@@ -326,7 +333,10 @@ class Workflow(_Strict):
             return None
         if self._reward_fn is None:
             factory = _resolve(REWARD_FUNCTIONS, self.reward.name, "reward")
-            self._reward_fn = factory(**self.reward.kwargs)
+            kwargs = dict(self.reward.kwargs)
+            if self.reward.answer_from:
+                kwargs["answer_agent"] = self.reward.answer_from
+            self._reward_fn = factory(**kwargs)
         return self._reward_fn
 
     def built_tools(self) -> dict[str, Tool]:
@@ -371,12 +381,9 @@ def load_workflow(source: str | Path | Mapping[str, Any], *, max_lora_rank: int 
     """A workflow from a TOML path, a dict, or a built-in name (``teamrl.rollout.workflows``)."""
     if isinstance(source, Mapping):
         return Workflow.from_dict(source, max_lora_rank=max_lora_rank)
-    p = Path(source)
-    if p.suffix == ".toml" or p.is_file():
-        return Workflow.from_toml(p, max_lora_rank=max_lora_rank)
     from teamrl.rollout import workflows
 
-    wf = workflows.load(str(source))
+    wf = workflows.load(source)
     if max_lora_rank is not None:
         wf.check_engine(max_lora_rank)
     return wf
@@ -392,9 +399,41 @@ def _unwrap(e: ValidationError, data: Mapping[str, Any]) -> WorkflowError:
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
         agent = _agent_at(data, err["loc"])
-        lines.append(f"{loc}{f' (agent {agent!r})' if agent else ''}: {err['msg']}")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            valid = _fields_at(Workflow, err["loc"][:-1])
+            msg = f"unknown field{f' (valid: {valid})' if valid else ''}"
+        lines.append(f"{loc}{f' (agent {agent!r})' if agent else ''}: {msg}")
     agent = next((a for a in (_agent_at(data, err["loc"]) for err in e.errors()) if a), None)
     return WorkflowError(f"workflow {name!r}: " + "; ".join(lines), agent=agent)
+
+
+def _fields_at(model: Any, loc: Sequence[Any]) -> list[str]:
+    """The field names of the model found at ``loc`` under ``model`` (list indices and dict keys
+    skipped), for "unknown field" messages; [] when the path leads to no model."""
+    import typing
+
+    for key in loc:
+        if isinstance(key, int) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        f = model.model_fields.get(str(key))
+        if f is None:
+            return []
+        model = f.annotation
+        while typing.get_args(model):  # list[X], dict[str, X], X | None -> X
+            model = next(
+                (
+                    a
+                    for a in reversed(typing.get_args(model))
+                    if isinstance(a, type) and issubclass(a, BaseModel)
+                ),
+                typing.get_args(model)[-1],
+            )
+            if isinstance(model, type):
+                break
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return sorted(model.model_fields)
+    return []
 
 
 def _agent_at(data: Any, loc: Sequence[Any]) -> str | None:
@@ -475,6 +514,12 @@ def _validate(wf: Workflow) -> None:
     if wf.reward is not None and wf.reward.name not in REWARD_FUNCTIONS and ":" not in wf.reward.name:
         raise WorkflowError(
             f"workflow {name!r}: unknown reward {wf.reward.name!r} (known: {sorted(REWARD_FUNCTIONS)})"
+        )
+    if wf.reward is not None and wf.reward.answer_from and wf.reward.answer_from not in agent_ids:
+        raise WorkflowError(
+            f"workflow {name!r}: reward.answer_from names agent {wf.reward.answer_from!r}, which is not "
+            f"an agent (agents: {sorted(agent_ids)})",
+            agent=wf.reward.answer_from,
         )
     if wf.graph.kind == "static":
         _validate_static(wf)
@@ -704,13 +749,19 @@ class AdditionReward:
     """The embedded task (``teamrl.rewards.addition``): as ``teamrl run`` scores it.
 
     Solver acts: 1 if their answer is the sum. Verifier acts: 1 for a correct verdict on the
-    candidate of the solver act they read. Turn reward: the turn's last solver act; trajectory
-    reward: the final solver act. ``role_scale`` multiplies a role's step scores (e.g.
-    ``{"verifier": 10}``: agents with different reward scales, the case Dr. MAS is about).
+    candidate of the answering act they read. Turn reward: the turn's last answering act;
+    trajectory reward: the final one. The answering acts are those of ``answer_agent`` when given
+    (the workflow's ``reward.answer_from``), else those of role ``solver``. ``role_scale``
+    multiplies a role's step scores (e.g. ``{"verifier": 10}``: agents with different reward
+    scales, the case Dr. MAS is about).
     """
 
-    def __init__(self, role_scale: Mapping[str, float] | None = None) -> None:
+    def __init__(self, role_scale: Mapping[str, float] | None = None, answer_agent: str = "") -> None:
         self.role_scale = dict(role_scale or {})
+        self.answer_agent = answer_agent
+
+    def _answers(self, a: ActView) -> bool:
+        return a.agent_id == self.answer_agent if self.answer_agent else a.role == "solver"
 
     def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
         from teamrl.rewards import addition
@@ -718,31 +769,34 @@ class AdditionReward:
         scores = []
         for a in acts:
             if a.role == "verifier":
-                read = [acts[p] for p in a.parents if acts[p].role == "solver"]
+                read = [acts[p] for p in a.parents if self._answers(acts[p])]
                 cand = read[-1].output if read else ""
                 scores.append(addition.verifier_reward(dict(task), cand, a.text))
             else:  # scored on the candidate the verifier sees, as ``teamrl run`` does
                 scores.append(addition.solver_reward(dict(task), a.output))
         if self.role_scale:
             scores = [x * self.role_scale.get(a.role, 1.0) for x, a in zip(scores, acts, strict=True)]
-        return _outcome(acts, scores, "solver")
+        return _outcome(acts, scores, self._answers)
 
 
-def _outcome(acts: Sequence[ActView], scores: list[float], answer_role: str) -> EpisodeRewards:
+def _outcome(
+    acts: Sequence[ActView], scores: list[float], answers: Callable[[ActView], bool]
+) -> EpisodeRewards:
     n_turns = max((a.turn for a in acts), default=-1) + 1
     turns = []
     for t in range(n_turns):
-        last = [s for a, s in zip(acts, scores, strict=True) if a.turn == t and a.role == answer_role]
+        last = [s for a, s in zip(acts, scores, strict=True) if a.turn == t and answers(a)]
         turns.append(last[-1] if last else 0.0)
-    final = [s for a, s in zip(acts, scores, strict=True) if a.role == answer_role]
+    final = [s for a, s in zip(acts, scores, strict=True) if answers(a)]
     return EpisodeRewards(scores, turns, final[-1] if final else 0.0)
 
 
 class OutcomeReward:
     """A ``teamrl.rewards`` reward on the answer role's output; the team shares the outcome.
 
-    ``answer_role`` acts are scored on their own output view (``reward`` from the registry, with
-    ``reward_kwargs``); the last one is the trajectory reward; acts of ``verifier_role`` get 1 for a
+    Answering acts (those of agent ``answer_agent`` when given, the workflow's
+    ``reward.answer_from``; else those of role ``answer_role``) are scored on their own output view
+    (``reward`` from the registry, with ``reward_kwargs``); the last one is the trajectory reward; acts of ``verifier_role`` get 1 for a
     correct verdict (``accept`` / ``reject`` regexes on their text) on the answer they read; every
     other act gets the trajectory reward (team credit).
     """
@@ -750,17 +804,19 @@ class OutcomeReward:
     def __init__(
         self,
         reward: str,
-        answer_role: str,
+        answer_role: str = "solver",
         reward_kwargs: Mapping[str, Any] | None = None,
         verifier_role: str | None = None,
         accept: str = r"(?i)verdict:\s*correct",
         reject: str = r"(?i)verdict:\s*(?:wrong|incorrect)",
         pass_threshold: float = 1.0,
+        answer_agent: str = "",
     ) -> None:
         from teamrl.rewards.base import get_reward
 
         self.scorer = get_reward(reward, **dict(reward_kwargs or {}))
         self.answer_role = answer_role
+        self.answer_agent = answer_agent
         self.verifier_role = verifier_role
         self.accept, self.reject = re.compile(accept), re.compile(reject)
         self.pass_threshold = pass_threshold
@@ -768,9 +824,9 @@ class OutcomeReward:
     def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
         own: dict[int, float] = {}
         for a in acts:
-            if a.role == self.answer_role:
+            if self._answers(a):
                 own[a.index] = float(self.scorer(a.output, task).score)
-        answers = [a for a in acts if a.role == self.answer_role]
+        answers = [a for a in acts if self._answers(a)]
         final = own[answers[-1].index] if answers else 0.0
         scores = []
         for a in acts:
@@ -785,7 +841,10 @@ class OutcomeReward:
                 scores.append(1.0 if verdict is not None and verdict == ok else 0.0)
             else:
                 scores.append(final)
-        return _outcome(acts, scores, self.answer_role)
+        return _outcome(acts, scores, self._answers)
+
+    def _answers(self, a: ActView) -> bool:
+        return a.agent_id == self.answer_agent if self.answer_agent else a.role == self.answer_role
 
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {

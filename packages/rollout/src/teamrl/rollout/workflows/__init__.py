@@ -1,6 +1,7 @@
 """Built-in workflows (the seed papers' set-ups) and their task sets.
 
-``load(name)`` returns a validated :class:`teamrl.rollout.workflow.Workflow`:
+``load(name_or_path)`` returns a validated :class:`teamrl.rollout.workflow.Workflow`: a built-in
+name below, the name of a TOML shipped in ``toml/`` (``names()`` lists both), or a TOML file path:
 
 ==============  ======================================================  =========================
 name            agents and D                                            tasks (``load_tasks``)
@@ -13,9 +14,10 @@ code-reflect    coder -> reviewer (python tool) -> coder                ``humane
 search-qa       searcher (BM25 tool, <= 2 calls) -> answerer            ``search-qa``
 ==============  ======================================================  =========================
 
-The definitions live in the modules next to this one as plain dicts; ``configs/workflows/*.toml``
-in the repository holds the same definitions as TOML for users to copy and edit (a unit test
-checks that each file loads to exactly the built-in it is named after).
+The definitions live in the modules next to this one as plain dicts; ``toml/*.toml`` (linked from
+``configs/workflows/`` in the repository) holds the same definitions as TOML for users to copy and
+edit (a unit test checks that each file loads to exactly the built-in it is named after), plus
+variants that exist only as TOML (``addition-duo-shared``, ``math-duo-hetero``, ``math-duo-anonymous``).
 """
 
 from __future__ import annotations
@@ -45,18 +47,48 @@ TASK_SETS = (
     "search-qa",
 )
 
-__all__ = ["BUILTIN", "TASK_SETS", "data_path", "humaneval_source", "load", "load_tasks", "names", "shard"]
+__all__ = [
+    "BUILTIN",
+    "TASK_SETS",
+    "data_path",
+    "humaneval_source",
+    "load",
+    "load_tasks",
+    "names",
+    "shard",
+    "shipped",
+]
+
+
+def shipped() -> dict[str, Path]:
+    """Workflow TOMLs shipped in ``teamrl/rollout/workflows/toml/`` (``configs/workflows`` links there)."""
+    root = Path(str(importlib.resources.files("teamrl.rollout.workflows").joinpath("toml")))
+    return {p.stem: p for p in sorted(root.glob("*.toml"))}
 
 
 def names() -> list[str]:
-    return sorted(BUILTIN)
+    """Every workflow ``load`` accepts by name: the built-ins and the shipped TOMLs."""
+    return sorted(set(BUILTIN) | set(shipped()))
 
 
-def load(name: str) -> Workflow:
-    """The built-in workflow ``name`` (raises :class:`WorkflowError` listing the known names)."""
-    if name not in BUILTIN:
-        raise WorkflowError(f"unknown built-in workflow {name!r} (built in: {names()})")
-    return Workflow.from_dict(BUILTIN[name])
+def load(source: str | Path) -> Workflow:
+    """A workflow by built-in name, shipped TOML name, or TOML file path.
+
+    Raises :class:`WorkflowError` naming the known workflows when ``source`` is none of them."""
+    name = str(source)
+    if name in BUILTIN:
+        return Workflow.from_dict(BUILTIN[name])
+    files = shipped()
+    if name in files:
+        return Workflow.from_toml(files[name])
+    path = Path(name)
+    if path.is_file():
+        return Workflow.from_toml(path)
+    if path.suffix == ".toml":
+        raise WorkflowError(f"workflow file {path} does not exist")
+    raise WorkflowError(
+        f"unknown workflow {name!r}: not a built-in or shipped name ({', '.join(names())}) and no such file"
+    )
 
 
 def data_path(name: str) -> Path:
