@@ -36,6 +36,7 @@ class AgentOverrides(_Strict):
     lr: float | None = Field(None, gt=0, description="learning rate of this adapter's AdamW")
     clip_low: float | None = Field(None, ge=0, description="PPO clip ε below 1 for this adapter")
     clip_high: float | None = Field(None, ge=0, description="PPO clip ε above 1 (DAPO clip-higher)")
+    rank: int | None = Field(None, ge=1, le=256, description="LoRA rank of this adapter (None: lora.rank)")
 
 
 class LoraSettings(_Strict):
@@ -213,6 +214,9 @@ class LearnerConfig(_Strict):
             "adapters": list(self.adapters),
             "adapter_settings": {a: AdapterSettings(**self.adapter_settings(a)) for a in self.adapters},
             "lora_rank": self.lora.rank,
+            "lora_ranks": {
+                a: self.agents[a].rank for a in self.adapters if a in self.agents and self.agents[a].rank
+            },
             "lora_alpha": self.lora.alpha,
             "lora_dropout": self.lora.dropout,
             "target_modules": list(self.lora.target_modules),

@@ -387,6 +387,7 @@ class LearnerEngine:
         *,
         adapter_settings: Mapping[str, AdapterSettings],
         lora_rank: int = 8,
+        lora_ranks: dict[str, int] | None = None,
         lora_alpha: float = 16.0,
         lora_dropout: float = 0.0,
         target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -472,17 +473,21 @@ class LearnerEngine:
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype)
         base.to(self.device)
-        lora = LoraConfig(
-            r=lora_rank,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            target_modules=list(target_modules),
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        self.model = get_peft_model(base, lora, adapter_name=self.adapters[0])
+        ranks = {name: (lora_ranks or {}).get(name, lora_rank) for name in self.adapters}
+
+        def lora(name: str) -> LoraConfig:  # each adapter its own rank (the workflow's [adapters])
+            return LoraConfig(
+                r=ranks[name],
+                lora_alpha=lora_alpha,
+                lora_dropout=lora_dropout,
+                target_modules=list(target_modules),
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
+
+        self.model = get_peft_model(base, lora(self.adapters[0]), adapter_name=self.adapters[0])
         for name in self.adapters[1:]:
-            self.model.add_adapter(name, lora)
+            self.model.add_adapter(name, lora(name))
         self.model.to(self.device)
         self.params = {name: self._adapter_params(name) for name in self.adapters}
         self.engines: dict[str, Any] = {}
