@@ -10,33 +10,48 @@ command -v "$PY" >/dev/null || PY=python3
 EXTRA=${TEAMRL_EXTRA:-cpu}
 STAMP=.venv/.teamrl-stamp
 
-# Optional, best effort: Debian's chromium, for the headless-browser check of `teamrl show` reports
-# (tests/unit/foundation/test_show.py skips that check without it). Never fails set-up: skipped when
-# chromium is already there, without apt-get or root (or passwordless sudo), offline, or TEAMRL_CHROMIUM=0.
-# Measured on Debian 12 with a fast mirror: apt-get update 3 s + install 31 s (25 packages, 113 MB).
-install_chromium() {
-  [ "${TEAMRL_CHROMIUM:-1}" = 0 ] && return 0
-  if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
-    return 0
-  fi
-  command -v apt-get >/dev/null 2>&1 || { echo "[setup] no apt-get: skipping chromium (optional)"; return 0; }
+# Optional, best effort: Debian packages some tests use and skip without (never fails set-up):
+# skipped when the command is already there, without apt-get or root (or passwordless sudo), offline,
+# or when its TEAMRL_<NAME>=0. Tries the package lists already there first; refreshes them only if
+# that fails (fresh images have none).
+#   chromium: headless-browser check of `teamrl show` reports (tests/unit/foundation/test_show.py).
+#     Measured on Debian 12 with a fast mirror: apt-get update 3 s + install 31 s (25 packages, 113 MB).
+#   prometheus (server + promtool): tests/integration/test_prometheus_live.py and
+#     scripts/dashboard_png.py. Measured on Debian 12: install 12 s (prometheus 2.42).
+apt_optional() {  # apt_optional PACKAGE COMMAND... (any COMMAND on PATH means it is there)
+  local pkg=$1 flag cmd
+  shift
+  flag="TEAMRL_$(echo "$pkg" | tr '[:lower:]-' '[:upper:]_')"
+  [ "${!flag:-1}" = 0 ] && return 0
+  for cmd in "$@"; do command -v "$cmd" >/dev/null 2>&1 && return 0; done
+  command -v apt-get >/dev/null 2>&1 || { echo "[setup] no apt-get: skipping $pkg (optional)"; return 0; }
   local as=()
   if [ "$(id -u)" != 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then as=(sudo -n); else
-      echo "[setup] not root: skipping chromium (optional; apt-get install chromium to enable the browser test)"
+      echo "[setup] not root: skipping $pkg (optional; apt-get install $pkg to enable the tests that use it)"
       return 0
     fi
   fi
   local t0 apt=("${as[@]}" env DEBIAN_FRONTEND=noninteractive timeout 300 apt-get)
   t0=$(date +%s)
-  echo "[setup] installing chromium (optional, for the teamrl show browser test)"
-  # Try the package lists already there first; refresh them only if that fails (fresh images have none).
-  if "${apt[@]}" install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
+  echo "[setup] installing $pkg (optional, for the tests that use it)"
+  if "${apt[@]}" install -y -q --no-install-recommends "$pkg" >/dev/null 2>&1 ||
      { "${apt[@]}" update -q >/dev/null 2>&1 &&
-       "${apt[@]}" install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; then
-    echo "[setup] chromium installed in $(( $(date +%s) - t0 )) s"
+       "${apt[@]}" install -y -q --no-install-recommends "$pkg" >/dev/null 2>&1; }; then
+    echo "[setup] $pkg installed in $(( $(date +%s) - t0 )) s"
   else
-    echo "[setup] could not install chromium (offline or no package); the browser test will be skipped"
+    echo "[setup] could not install $pkg (offline or no package); the tests that use it will be skipped"
+  fi
+  return 0
+}
+# Debian's prometheus package starts a system service on install where systemd runs; the tests
+# start their own server, so a running one is stopped again (nothing listens on :9090 then).
+install_prometheus() {
+  local had=0
+  command -v prometheus >/dev/null 2>&1 && had=1
+  apt_optional prometheus prometheus
+  if [ "$had" = 0 ] && command -v systemctl >/dev/null 2>&1 && systemctl is-active -q prometheus 2>/dev/null; then
+    systemctl disable --now -q prometheus 2>/dev/null || true
   fi
   return 0
 }
@@ -69,6 +84,7 @@ PYEOF
 [ "$EXTRA" = cpu ] && DS_ACCELERATOR=cpu .venv/bin/python -c \
   "from teamrl.learner.engine import init_distributed; init_distributed('cpu'); print('[setup] DeepSpeed CPU op built')" \
   2>&1 | grep '^\[setup\]' || true
-install_chromium || true
+apt_optional chromium chromium chromium-browser || true
+install_prometheus || true
 echo "$want" > "$STAMP"
 echo "[setup] done in $(( $(date +%s) - start )) s"
