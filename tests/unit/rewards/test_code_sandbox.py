@@ -16,7 +16,7 @@ import pytest
 from teamrl.rewards.base import get_reward
 from teamrl.rewards.code_reward import CodeReward, build_steps, extract_code
 from teamrl.rewards.errors import TaskFormatError
-from teamrl.rewards.sandbox import Limits, Step, run_python
+from teamrl.rewards.sandbox import Limits, Step, namespace_sandbox_available, run_python
 
 TIMEOUT_S = 4.0  # generous: a loaded CI machine starts a sandboxed interpreter slowly (1.5 s timed out once)
 ADD = "def add(a, b):\n    return a + b\n"
@@ -141,13 +141,17 @@ HOSTILE = {
 }
 
 
+@pytest.mark.parametrize("isolation", ["namespace", "process"])
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_candidates_score_zero(code: CodeReward, name: str) -> None:
+def test_hostile_candidates_score_zero(name: str, isolation: str) -> None:
+    if isolation == "namespace" and not namespace_sandbox_available()[0]:
+        pytest.skip(f"no namespace sandbox here: {namespace_sandbox_available()[1]}")
+    code = CodeReward(timeout_s=TIMEOUT_S, memory_mb=256, isolation=isolation)  # type: ignore[arg-type]
     source, reason = HOSTILE[name]
     t0 = time.monotonic()
     res = code(source, TESTS)
     elapsed = time.monotonic() - t0
-    assert (res.score, res.reason) == (0.0, reason), res.details
+    assert (res.score, res.reason, res.details["sandbox"]) == (0.0, reason, isolation), res.details
     assert elapsed < TIMEOUT_S + 5.0  # bounded: the wall-clock kill works (not a speed check)
     assert res.details["all_passed"] is False
 

@@ -15,7 +15,8 @@ is not):
 
 Score: passed tests / tests (partial credit survives a later crash or timeout: only the tests that
 reported a pass count). ``details``: ``pass_rate``, ``all_passed``, ``passed``, ``total``,
-``failures`` (first few), ``wall_s``. A fenced Markdown code block in the completion is used in
+``failures`` (first few), ``wall_s``, ``sandbox`` (``"namespace"``: the bubblewrap sandbox;
+``"process"``: the fallback without file-system, PID or network namespaces, see ``sandbox.py``). A fenced Markdown code block in the completion is used in
 place of the completion when present (``extract_code``).
 
 Reasons: ``ok``, ``tests_failed``, ``syntax_error``, ``runtime_error``, ``exited_early``
@@ -32,7 +33,7 @@ import errno
 import re
 import signal
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from teamrl.rewards.base import RewardResult
 from teamrl.rewards.errors import TaskFormatError
@@ -163,7 +164,13 @@ def _death_reason(outcome: SandboxOutcome) -> str:
 def score_outcome(outcome: SandboxOutcome, steps: list[Step]) -> RewardResult:
     """Turn the sandbox's report into a score and one reason (see the module docstring)."""
     total = sum(s.kind == "test" for s in steps)
-    step_events = [e for e in outcome.events if e["event"] == "step"]
+    # One report per step index: a forked copy of the harness (possible in the process sandbox)
+    # reporting the same steps again must not count twice.
+    first: dict[Any, dict[str, Any]] = {}
+    for e in outcome.events:
+        if e["event"] == "step":
+            first.setdefault(e.get("index"), e)
+    step_events = list(first.values())
     passed = sum(1 for e in step_events if e.get("kind") == "test" and e.get("passed"))
     failures = [
         {k: e.get(k) for k in ("index", "kind", "etype", "msg")} for e in step_events if not e.get("passed")
@@ -175,6 +182,7 @@ def score_outcome(outcome: SandboxOutcome, steps: list[Step]) -> RewardResult:
         "total": total,
         "failures": failures,
         "wall_s": round(outcome.wall_s, 3),
+        "sandbox": outcome.sandbox,
     }
     started = outcome.find("started")
     cand_error = outcome.find("candidate_error")
@@ -207,7 +215,9 @@ class CodeReward:
     """Pass rate of the task's unit tests on the completion's program, run in the sandbox.
 
     ``timeout_s`` is the wall-clock limit for the whole run (candidate + all tests), ``memory_mb``
-    its address space. The other keywords are ``sandbox.Limits`` fields.
+    its address space. ``isolation``: ``"auto"`` (the namespace sandbox where it runs, else the
+    process sandbox with a logged warning), ``"namespace"`` (required) or ``"process"``. The other
+    keywords are ``sandbox.Limits`` fields.
     """
 
     name = "code"
@@ -220,6 +230,7 @@ class CodeReward:
         file_size_mb: int = 16,
         site_packages: bool = False,
         extract: bool = True,
+        isolation: Literal["auto", "namespace", "process"] = "auto",
     ) -> None:
         self.limits = Limits(
             timeout_s=timeout_s,
@@ -227,6 +238,7 @@ class CodeReward:
             output_bytes=output_bytes,
             file_size_mb=file_size_mb,
             site_packages=site_packages,
+            isolation=isolation,
         )
         self.extract = extract
 

@@ -1,6 +1,20 @@
 """Run untrusted Python (a model's candidate program) plus unit tests in a limited subprocess.
 
-What it does, per run:
+Two layers. The outer one, where the host allows it, is a bubblewrap (``bwrap``) namespace
+sandbox (``isolation="namespace"``): the whole root file system mounted read-only, a private
+writable ``/tmp`` (the run's working folder; nothing else is writable), a fresh ``/proc`` and a
+minimal ``/dev``, ``/root``, ``/home`` and ``/run`` hidden, no network (``--unshare-net``: only a
+down loopback), its own PID namespace (``--unshare-pid``; the candidate cannot see or signal any
+host process, and everything in it dies with the namespace's init), IPC/UTS namespaces, no further
+user namespaces, ``--die-with-parent``, and uid/gid 65534 (``nobody``): as root, ``bwrap`` itself is
+started as 65534 so the candidate is unprivileged on the host too (a root-owned ``0600`` file, such
+as a CURVE secret key, stays unreadable); as another user, the user namespace maps 65534 to that
+user. Where ``bwrap`` is missing or cannot create namespaces (a container without user
+namespaces, seccomp), ``isolation="auto"`` falls back to the process sandbox alone and logs one
+warning; ``isolation="namespace"`` raises ``SandboxUnavailable`` instead. ``SandboxOutcome.sandbox``
+says which one ran (``"namespace"`` or ``"process"``), and the code reward reports it.
+
+The inner layer (always on; the only one in the fallback) does, per run:
 
 * a fresh temporary working folder (also ``HOME`` and ``TMPDIR``), deleted afterwards;
 * ``sys.executable -I -S`` (isolated: no user site, no ``PYTHON*`` variables, no current folder on
@@ -20,12 +34,13 @@ What it does, per run:
   (in both ``os`` and ``posix``) and ``_posixsubprocess.fork_exec``;
 * stdout/stderr read through ``poll`` and capped at ``output_bytes`` each.
 
-**This is not a security boundary against a determined attacker.** The candidate runs in the same
-interpreter as the harness and can undo the monkeypatches (``ctypes``, the original classes in
-``__mro__``), read world-readable files, and, when the parent is root, ``RLIMIT_NPROC`` is not
-enforced at all (the kernel exempts root). Per-file size is capped but not the number of files.
-It stops accidents and casual reward hacking; for adversarial code use a container, gVisor or
-nsjail around this.
+**The process layer alone is not a security boundary against a determined attacker.** The
+candidate runs in the same interpreter as the harness and can undo the monkeypatches (``ctypes``,
+the original classes in ``__mro__``), read world-readable files, write wherever the service user
+may, and, when the parent is root, ``RLIMIT_NPROC`` is not enforced at all (the kernel exempts
+root). Per-file size is capped but not the number of files. It stops accidents and casual reward
+hacking; the namespace layer is what holds against a ``ctypes`` ``fork()``, a ``kill`` of a host
+pid, or a write to ``/tmp`` (README, "Security").
 
 How the result is reported: the harness writes JSON lines, each carrying a random per-run nonce,
 to a private pipe (not stdout). The candidate is executed first; then each test step, and a
@@ -44,6 +59,7 @@ Call sequence::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -53,6 +69,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,6 +86,10 @@ def _harness():
         job = json.load(f)
     os.unlink(job_path)
     nonce, fd, lim = job["nonce"], job["report_fd"], job["limits"]
+    if job["drop_to"] is not None:
+        os.setgroups([])
+        os.setresgid(job["drop_to"], job["drop_to"], job["drop_to"])
+        os.setresuid(job["drop_to"], job["drop_to"], job["drop_to"])
 
     def report(event, **kv):
         kv["event"] = event
@@ -100,7 +121,7 @@ def _harness():
         ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except Exception:
         pass
-    if os.getppid() != job["parent_pid"]:
+    if job["parent_pid"] is not None and os.getppid() != job["parent_pid"]:
         os._exit(1)
 
     class SandboxBlocked(PermissionError):
@@ -189,6 +210,7 @@ class Limits:
     output_bytes: int = 64_000
     cpu_s: int | None = None
     site_packages: bool = False
+    isolation: Literal["auto", "namespace", "process"] = "auto"
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
@@ -199,6 +221,10 @@ class Limits:
             )
         if self.output_bytes < 1 or self.file_size_mb < 0 or self.nproc < 0:
             raise ValueError(f"sandbox limits must be non-negative: {self}")
+        if self.isolation not in ("auto", "namespace", "process"):
+            raise ValueError(
+                f"sandbox isolation must be 'auto', 'namespace' or 'process', got {self.isolation!r}"
+            )
 
 
 @dataclass
@@ -215,6 +241,7 @@ class SandboxOutcome:
     foreign_lines: int = 0
     pid: int = 0
     workdir: str = ""
+    sandbox: Literal["namespace", "process"] = "process"
 
     def find(self, event: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e["event"] == event), None)
@@ -230,6 +257,115 @@ _ENV_BASE = {
 _DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
 _REPORT_CAP = 1 << 20
 _ORPHAN_GRACE_S = 0.2  # after the child exits, how long orphans may keep our pipes open
+_NOBODY = 65534
+_SANDBOX_TMP = "/tmp"  # where the run's working folder appears inside the namespace sandbox
+# Hidden behind an empty tmpfs inside the namespace sandbox (when they are real folders and do not
+# hold the interpreter): other users' homes, runtime sockets and mounted secrets.
+_HIDDEN = ("/root", "/home", "/run", "/var/tmp", "/dev/shm")
+_PROBE_TIMEOUT_S = 20.0
+
+log = logging.getLogger(__name__)
+_probe_lock = threading.Lock()
+_probe_result: tuple[bool, str] | None = None
+
+
+def _bwrap_args(workdir: str) -> list[str]:
+    """The ``bwrap`` command line (up to ``--``) for one run whose working folder is ``workdir``.
+
+    As root, ``bwrap`` keeps only ``CAP_SETUID``/``CAP_SETGID`` and the harness drops to 65534
+    before it reads anything untrusted (``job["drop_to"]``); as another user, the user namespace
+    maps 65534 to that user. An interpreter installed under a hidden folder (pyenv in ``/root``)
+    is bound back read-only at its own path, so only it shows there.
+    """
+    interp = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    interp.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    args = ["bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    for hidden in _HIDDEN:
+        if not os.path.isdir(hidden) or os.path.islink(hidden):
+            continue
+        args += ["--tmpfs", hidden]
+        made = {hidden}
+        for keep in sorted(k for k in interp if k.startswith(hidden + "/")):
+            parent = os.path.dirname(keep)
+            chain = []
+            while parent not in made and parent.startswith(hidden + "/"):
+                chain.append(parent)
+                parent = os.path.dirname(parent)
+            for d in reversed(chain):
+                args += ["--perms", "0755", "--dir", d]
+                made.add(d)
+            args += ["--ro-bind", keep, keep]
+    args += ["--bind", workdir, _SANDBOX_TMP, "--chdir", _SANDBOX_TMP]
+    args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    args += ["--die-with-parent", "--new-session"]
+    if os.geteuid() == 0:
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user", "--disable-userns", "--uid", str(_NOBODY), "--gid", str(_NOBODY)]
+    return [*args, "--"]
+
+
+def _prepare_workdir(workdir: str) -> None:
+    # 65534 owns it (the candidate writes there); group root lets the harness, still root but
+    # without CAP_DAC_OVERRIDE, read and unlink the job file before it drops to 65534.
+    if os.geteuid() == 0:
+        os.chown(workdir, _NOBODY, 0)
+        os.chmod(workdir, 0o770)
+
+
+def namespace_sandbox_available() -> tuple[bool, str]:
+    """Whether the ``bwrap`` namespace sandbox works here, and why not (probed once per process;
+    a failure is logged once).
+
+    The probe runs the interpreter under the exact command line a real run uses, so a missing
+    binary, disabled user namespaces, a seccomp filter or an unreadable interpreter all show here.
+    """
+    global _probe_result
+    with _probe_lock:
+        if _probe_result is None:
+            _probe_result = _probe()
+            if not _probe_result[0]:
+                log.warning(
+                    "code sandbox: the namespace sandbox is unavailable (%s); candidates run in the "
+                    "process sandbox only, which does not isolate the file system or host processes",
+                    _probe_result[1],
+                )
+        return _probe_result
+
+
+def _probe() -> tuple[bool, str]:
+    if shutil.which("bwrap") is None:
+        return False, "bwrap is not installed (Debian package 'bubblewrap')"
+    workdir = tempfile.mkdtemp(prefix="teamrl-sandbox-probe-")
+    drop = "import os\nif os.getuid() == 0:\n os.setgroups([]); os.setresgid(*[%d] * 3); os.setresuid(*[%d] * 3)\n"
+    probe = drop % (_NOBODY, _NOBODY) + "import json, ctypes\nprint(os.getuid())"
+    try:
+        _prepare_workdir(workdir)
+        proc = subprocess.run(
+            [*_bwrap_args(workdir), sys.executable, "-I", "-S", "-c", probe],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_PROBE_TIMEOUT_S,
+            env=dict(_ENV_BASE),
+            cwd="/",
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, f"bwrap probe failed: {exc}"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if proc.returncode == 0 and proc.stdout.strip() == str(_NOBODY).encode():
+        return True, ""
+    err = proc.stderr.decode("utf-8", "replace").strip()[-300:]
+    return False, f"bwrap probe exited {proc.returncode}: {err}"
+
+
+def _use_namespace(limits: Limits) -> bool:
+    if limits.isolation == "process":
+        return False
+    ok, why = namespace_sandbox_available()
+    if not ok and limits.isolation == "namespace":
+        raise SandboxUnavailable(f"the namespace sandbox was required but cannot run: {why}")
+    return ok
 
 
 def _has_exited(pid: int) -> bool:
@@ -298,14 +434,19 @@ def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> Sa
     Raises ``SandboxUnavailable`` only if the interpreter cannot be started at all.
     """
     limits = limits or Limits()
+    namespaced = _use_namespace(limits)
     workdir = tempfile.mkdtemp(prefix="teamrl-sandbox-")
+    if namespaced:
+        _prepare_workdir(workdir)
+    inner_dir = _SANDBOX_TMP if namespaced else workdir
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, True)
     try:
         job = {
             "nonce": secrets.token_hex(16),
             "report_fd": write_fd,
-            "parent_pid": os.getpid(),
+            "parent_pid": None if namespaced else os.getpid(),
+            "drop_to": _NOBODY if namespaced and os.geteuid() == 0 else None,
             "code": code,
             "steps": [{"kind": s.kind, "source": s.source} for s in steps],
             "limits": {
@@ -318,11 +459,13 @@ def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> Sa
         job_path = os.path.join(workdir, "job.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        env = dict(_ENV_BASE, HOME=workdir, TMPDIR=workdir)
+        env = dict(_ENV_BASE, HOME=inner_dir, TMPDIR=inner_dir)
         for var in ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy"):
             env[var] = env[var.upper()] = _DEAD_PROXY
         flags = ["-I"] if limits.site_packages else ["-I", "-S"]
-        cmd = [sys.executable, *flags, "-c", HARNESS, job_path]
+        cmd = [sys.executable, *flags, "-c", HARNESS, os.path.join(inner_dir, "job.json")]
+        if namespaced:
+            cmd = _bwrap_args(workdir) + cmd
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -347,6 +490,8 @@ def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> Sa
                 if stream is not None:
                     stream.close()
         wall_s = time.monotonic() - start
+        if namespaced and returncode is not None and returncode > 128:
+            returncode = 128 - returncode  # bwrap exits 128 + n when its child died of signal n
     finally:
         os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -362,6 +507,7 @@ def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> Sa
         foreign_lines=foreign,
         pid=proc.pid,
         workdir=workdir,
+        sandbox="namespace" if namespaced else "process",
     )
 
 
