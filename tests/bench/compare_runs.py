@@ -96,7 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         run = root / name
         t0 = time.time()
         res = subprocess.run(
-            [sys.executable, "-m", "teamrl.cli.main", "run", "--run-dir", str(run), *common, *variant],
+            [
+                sys.executable,
+                "-m",
+                "teamrl.cli.main",
+                "run",
+                "--workflow",
+                "addition-duo",
+                "--run-dir",
+                str(run),
+                *common,
+                *variant,
+            ],
             capture_output=True,
             text=True,
         )

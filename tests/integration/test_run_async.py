@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 STEPS = 20
 
@@ -29,7 +29,7 @@ def rows(path: Path) -> list[dict]:
 
 def test_async_run_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cli = [sys.executable, "-m", "teamrl.cli.main", "run"]
+    cli = [sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", "addition-duo"]
     argv = [
         *cli,
         "--run-dir",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 
 def test_run_two_steps_writes_metrics_eval_adapters_and_plots(tmp_path: Path) -> None:
@@ -23,6 +23,8 @@ def test_run_two_steps_writes_metrics_eval_adapters_and_plots(tmp_path: Path) ->
         "-m",
         "teamrl.cli.main",
         "run",
+        "--workflow",
+        "addition-duo",
         "--mode",
         "sync",
         "--run-dir",

@@ -61,6 +61,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace, list[str]], int] | 
         "score a JSONL file offline with a reward (`teamrl reward math --input f.jsonl`)",
         _delegate("teamrl.rewards.cli"),
     ),
+    "workflow": (
+        "list workflows, print the workflow schema, or check a workflow against a model (`teamrl workflow -h`)",
+        _delegate("teamrl.cli.workflow_cmd"),
+    ),
     "show": ("write a self-contained HTML report of a run folder", _delegate("teamrl.cli.show")),
 }
 

@@ -1,71 +1,115 @@
-"""``teamrl run`` / ``teamrl demo``: the solver-verifier team trained end to end on this machine.
+"""``teamrl run`` / ``teamrl demo``: train a workflow's agents on a model, end to end, on this machine.
 
-What runs today is the **sync** loop in one process, with every component real:
+    teamrl run --workflow NAME|PATH.toml [--model DIR|embedded|embedded-text]
+               [--config run.toml] [--set section.key=value ...] [flags]
 
-1. vLLM (``teamrl.rollout.engine``) samples ``group_size`` episodes per task. An episode is a Flex-MG
-   graph of two agent steps: the solver answers ``S07+45=``; the verifier, whose step depends on the
-   solver's (``parents=[0]``), judges ``V07+45=052?``. Exact token ids and the sampler's log-probs are kept.
-2. The episodes are Arrow-encoded (``teamrl.protocol``) and carried over ZeroMQ (a credit-window
-   DEALER -> ROUTER pair on loopback, acked) into the learner side, which decodes them again.
-3. The DeepSpeed learner (``teamrl.learner.engine``) recomputes log-probs, computes Dr. MAS agent-wise
-   advantages and updates the two LoRA adapters agent by agent (HAPPO-corrected).
-4. The adapters are exported in PEFT format, packed as a deterministic payload with a sha256, and
-   hot-loaded into vLLM under a new version, which must pass the learner's log-prob probe first.
-5. Every ``eval_interval`` steps the team is evaluated greedily on held-out tasks.
+Everything workflow-specific comes from the workflow and the model folder (``teamrl.cli.plan``):
+which adapters exist and their ranks, which agents share one, the tasks and their held-out split,
+the reward, the LoRA target modules, the probe that verifies adapters in vLLM. Before any process
+starts the run is checked (workflow against model, every number, every service table), and a
+problem exits with code 2 and a message naming the file, agent and field.
 
-The separate-process asynchronous topology (buffer, N rollout services, M learner ranks) is the
-target of the same components; this command is the honest smallest end-to-end loop that exists.
+Modes: ``async`` (default; ``teamrl.cli.run_async``) starts the buffer, N rollout services and M
+learner ranks as separate processes over ZeroMQ; ``sync`` (``teamrl.cli.run_sync``) generates a
+batch, trains, publishes, and generates again in one process, with the same components.
+``teamrl demo`` is ``teamrl run --config`` the packaged ``demo.toml`` (a ``[run]`` table naming one
+built-in workflow and ``runs/demo``): an example of the general path, not a special case.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import random
+import os
 import sys
-import time
-import uuid
-from dataclasses import dataclass
+import tomllib
 from pathlib import Path
 
-from teamrl.rollout.runner import ADAPTERS, EOS_ID, SOLVER, decode, encode  # noqa: F401 (re-exported)
+DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 
 
-@dataclass
-class RunSettings:
-    steps: int = 60
-    tasks_per_step: int = 16
-    group_size: int = 8
-    lr: float = 5e-4
-    algorithm: str = "drmas"
-    update_order: str = "sequential"
-    eval_interval: int = 10
-    eval_tasks: int = 200
-    seed: int = 0
-    temperature: float = 1.0
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
 
 
-def build_parser(prog: str = "teamrl run") -> argparse.ArgumentParser:
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def build_parser(
+    prog: str = "teamrl run", workflow: str | None = None, run_dir: str = "runs/run"
+) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Train the solver-verifier team on the embedded model: vLLM rollouts -> Arrow over "
-        "ZeroMQ -> DeepSpeed agent-by-agent LoRA updates -> verified hot adapter load (sync mode).",
+        description="Train a team of LLM agents: vLLM rollouts -> Arrow over ZeroMQ -> replay buffer -> "
+        "DeepSpeed agent-by-agent LoRA updates -> probe-verified hot adapter load. The workflow "
+        "(agents, graph, reward, adapters) and the model folder decide everything else.",
+        epilog="examples:\n  teamrl run --workflow addition-duo\n"
+        "  teamrl run --workflow math-trio --model embedded-text --steps 40\n"
+        "  teamrl run --workflow my_team.toml --model ~/models/Qwen2.5-0.5B-Instruct --set learner.lr=1e-5\n"
+        "  teamrl run --resume runs/run\n"
+        "Check a workflow without running it: teamrl workflow check FILE --model DIR",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = RunSettings()
     p.add_argument(
-        "--run-dir", default="runs/demo", help="run folder (metrics.jsonl, eval.jsonl, adapters, plots)"
+        "--workflow",
+        required=workflow is None,
+        default=workflow,
+        help="built-in or shipped workflow name (teamrl workflow list), or a workflow TOML file"
+        + (f" (default {workflow})" if workflow else ""),
     )
-    p.add_argument("--model", default=None, help="model folder (default: build/use the embedded model)")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"learner steps (default {d.steps})")
-    p.add_argument("--tasks-per-step", type=int, default=d.tasks_per_step)
-    p.add_argument("--group-size", type=int, default=d.group_size, help="episodes per task (group baseline)")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate of both adapters")
-    p.add_argument("--algorithm", choices=["grpo", "drmas", "dr_grpo"], default=d.algorithm)
-    p.add_argument("--update-order", choices=["sequential", "simultaneous"], default=d.update_order)
-    p.add_argument("--eval-interval", type=int, default=d.eval_interval)
-    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder (Hugging Face layout), 'embedded' (character model, addition workflows) or "
+        "'embedded-text' (small BPE model for the text workflows); default: the workflow's own "
+        "models.<id>.path, else 'embedded'. The embedded models are built on first use",
+    )
+    p.add_argument("--tasks", default=None, help="JSONL/Parquet task file instead of the workflow's tasks")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="TOML file: a [run] table of these flags' values (e.g. steps = 40) and [buffer], [learner], "
+        "[rollout] tables merged over the resolved service config",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one service setting, e.g. --set learner.lr=3e-4 --set rollout.eval_tasks=50",
+    )
+    p.add_argument("--run-dir", default=run_dir, help=f"run folder (default {run_dir})")
+    p.add_argument("--steps", type=_at_least(1), default=60, help="learner steps (default 60)")
+    p.add_argument(
+        "--tasks-per-step", type=_at_least(1), default=16, help="groups (tasks) per step (default 16)"
+    )
+    p.add_argument(
+        "--group-size", type=_at_least(1), default=8, help="episodes per task, the group baseline (default 8)"
+    )
+    p.add_argument("--lr", type=_positive_float, default=5e-4, help="AdamW learning rate of every adapter")
+    p.add_argument("--algorithm", choices=["grpo", "drmas", "dr_grpo"], default="drmas")
+    p.add_argument("--update-order", choices=["sequential", "simultaneous"], default="sequential")
+    p.add_argument(
+        "--eval-interval", type=_at_least(0), default=10, help="held-out evaluation every N versions (0: off)"
+    )
+    p.add_argument("--eval-tasks", type=_at_least(1), default=200, help="held-out tasks per evaluation")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--reward-scale",
         metavar="ROLE=X",
@@ -81,169 +125,66 @@ def build_parser(prog: str = "teamrl run") -> argparse.ArgumentParser:
         help="async (default): buffer, rollouts and learners as separate processes over ZeroMQ; "
         "sync: generate a batch, train, generate again, in one process",
     )
-    from teamrl.cli.run_async import add_async_arguments
-
-    add_async_arguments(p)
+    p.add_argument("--rollouts", type=_at_least(1), default=1, help="rollout services (async; default 1)")
+    p.add_argument("--learners", type=_at_least(1), default=1, help="learner ranks (async; default 1)")
+    p.add_argument(
+        "--max-lag", type=_at_least(0), default=2, help="async: drop data more than this many versions old"
+    )
+    p.add_argument(
+        "--checkpoint-interval", type=_at_least(1), default=10, help="learner checkpoint every k steps"
+    )
+    p.add_argument(
+        "--threads-per-service",
+        type=_at_least(1),
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="OMP/torch threads per service process (default: half the cores)",
+    )
+    p.add_argument(
+        "--tensorboard", action="store_true", help="async: learner metrics also as TensorBoard events"
+    )
+    p.add_argument(
+        "--resume",
+        metavar="RUN",
+        default=None,
+        help="continue the async run in folder RUN with its saved settings (learner and buffer resume "
+        "from their last complete checkpoints; versions never go backwards)",
+    )
     return p
 
 
-async def _run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from teamrl.learner.engine import AdapterSettings, LearnerEngine, init_distributed
-    from teamrl.learner.modelbuild import build
-    from teamrl.protocol import decode_trajectories, encode_trajectories
-    from teamrl.protocol.adapters import folder_payload, payload_sha256
-    from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
-    from teamrl.rewards import addition
-    from teamrl.rollout.engine import AdapterRefused, EngineConfig, RolloutEngine
-    from teamrl.rollout.runner import WorkflowRunner
-
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t_begin = time.time()
-    model = Path(args.model) if args.model else build()
-    (run_dir / "config.json").write_text(json.dumps({**vars(args), "model": str(model)}, indent=1))
-    train, held_out = addition.split_tasks(seed=0)
-    held_out = held_out[: args.eval_tasks]
-    rng = random.Random(args.seed)
-    print(f"[teamrl] run folder {run_dir}; model {model}", flush=True)
-
-    init_distributed("cpu")
-    settings = AdapterSettings(lr=args.lr, clip_low=0.2, clip_high=0.28)
-    learner = LearnerEngine(
-        model,
-        list(ADAPTERS.values()),
-        adapter_settings={a: settings for a in ADAPTERS.values()},
-        algorithm=args.algorithm,
-        update_order=args.update_order,
-        micro_batch_rows=256,
-        seed=args.seed,
-        logprob_tolerance=None,
-    )
-    probe_prompt, probe_completion = encode("S01+23="), [2, 4, 6, EOS_ID]
-
-    receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
-    incarnation = uuid.uuid4().hex[:12]
-    sender = ZmqDataSender(receiver.endpoint, incarnation)
-
-    eng = RolloutEngine(EngineConfig(model=str(model), seed=args.seed))
-    runner = WorkflowRunner("addition-duo", eng, incarnation, reward_kwargs=reward_kwargs(args))
-    await eng.start()
-    print(f"[teamrl] vLLM engine up after {time.time() - t_begin:.0f} s", flush=True)
-
-    async def publish(version: int) -> dict[str, float]:
-        folders = learner.export_adapters(run_dir / "adapters" / f"v{version}")
-        sha = payload_sha256(folder_payload(run_dir / "adapters" / f"v{version}"))
-        expected = learner.completion_logprobs(ADAPTERS[SOLVER], probe_prompt, probe_completion)
-        res = await eng.load_version(
-            version, folders, ADAPTERS[SOLVER], probe_prompt, probe_completion, expected, 1e-3
-        )
-        return {**res, "sha256": sha[:12]}
-
-    metrics_f = (run_dir / "metrics.jsonl").open("a")
-    eval_f = (run_dir / "eval.jsonl").open("a")
-
-    version = 0
-    await publish(version)
-    ev = await runner.evaluate(held_out)
-    eval_f.write(json.dumps({"step": 0, "time": time.time() - t_begin, "version": 0, **ev}) + "\n")
-    eval_f.flush()
-    print(f"[teamrl] step 0 held-out: {json.dumps(ev)}", flush=True)
-    first_eval = ev["reward_mean"]
-    for step in range(args.steps):
-        t0 = time.time()
-        batch = rng.sample(train, args.tasks_per_step)
-        jobs = []
-        for t in batch:
-            for _k in range(args.group_size):
-                jobs.append((t, rng.randrange(2**31)))
-        trajs = list(
-            await asyncio.gather(*[runner.episode(t, s, group_id=f"{step}-{t['id']}") for t, s in jobs])
-        )
-        t_gen = time.time() - t0
-        # Arrow over ZeroMQ, acked once decoded on the learner side.
-        sender.send(encode_trajectories(trajs))
-        got = []
-        while not got:
-            sender.flush(0.0)
-            frame = receiver.recv(1000)
-            if frame is not None:
-                got = decode_trajectories(frame.payload)
-                receiver.ack(frame)
-        sender.flush(2.0)
-        res = learner.train_step(got, step, version, fresh_version=version)
-        version += 1
+def parse_args(argv: list[str] | None, prog: str, workflow: str | None, run_dir: str) -> argparse.Namespace:
+    """Flags over the ``[run]`` table of ``--config`` over the defaults."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser(prog, workflow, run_dir)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
         try:
-            pub = await publish(version)
-        except AdapterRefused as e:
-            print(f"[teamrl] v{version} refused ({e.reason}): {e}", file=sys.stderr, flush=True)
-            pub = {"probe_err": float("nan")}
-        r_s = float(np.mean([t.steps[0].reward for t in got]))
-        r_v = float(np.mean([t.steps[1].reward for t in got]))
-        row = {
-            "step": step,
-            "time": time.time() - t_begin,
-            "version": version,
-            "reward_mean": r_s,
-            "reward/solver": r_s,
-            "reward/verifier": r_v,
-            "episodes": len(got),
-            "gen_seconds": t_gen,
-            "step_seconds": time.time() - t0,
-            "probe_err": pub.get("probe_err"),
-            **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
-        }
-        metrics_f.write(json.dumps(row) + "\n")
-        metrics_f.flush()
-        print(
-            f"[teamrl] step {step + 1}/{args.steps} v{version} reward solver {r_s:.3f} verifier {r_v:.3f} "
-            f"({time.time() - t0:.1f} s, gen {t_gen:.1f} s)",
-            flush=True,
-        )
-        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            ev = await runner.evaluate(held_out)
-            eval_f.write(
-                json.dumps({"step": step + 1, "time": time.time() - t_begin, "version": version, **ev}) + "\n"
+            table = tomllib.loads(Path(known.config).read_text()).get("run", {})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            p.error(f"--config {known.config}: {e}")
+        dests = {a.dest for a in p._actions}
+        unknown = sorted(k for k in table if k.replace("-", "_") not in dests)
+        if unknown:
+            p.error(
+                f"--config {known.config}: [run] has unknown keys {unknown} (flags: {sorted(dests - {'help'})})"
             )
-            eval_f.flush()
-            print(f"[teamrl] step {step + 1} held-out: {json.dumps(ev)}", flush=True)
-    sender.close()
-    receiver.close()
-    await eng.close()
-    metrics_f.close()
-    eval_f.close()
-    try:
-        from teamrl.cli.plots import plot_run
-
-        for p in plot_run(run_dir):
-            print(f"[teamrl] plot {p}")
-    except ImportError as e:
-        print(f"[teamrl] no plots ({e})")
-    print(
-        f"[teamrl] done in {time.time() - t_begin:.0f} s: held-out solver accuracy {first_eval:.3f} -> "
-        f"{ev['reward_mean']:.3f}; verifier accuracy -> {ev['verifier_accuracy']:.3f}",
-        flush=True,
-    )
-    return 0
+        p.set_defaults(**{k.replace("-", "_"): v for k, v in table.items()})
+        if "workflow" in table:
+            for a in p._actions:
+                if a.dest == "workflow":
+                    a.required = False
+    return p.parse_args(argv)
 
 
-def reward_kwargs(args: argparse.Namespace) -> dict | None:
-    """``--reward-scale verifier=10`` -> ``{"role_scale": {"verifier": 10.0}}`` (None when not given)."""
-    scale = {}
-    for item in args.reward_scale or []:
-        role, sep, value = item.partition("=")
-        try:
-            scale[role] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not role:
-            raise SystemExit(f"teamrl run: --reward-scale {item!r}: expected ROLE=NUMBER, e.g. verifier=10")
-    return {"role_scale": scale} if scale else None
-
-
-def main(argv: list[str] | None = None, prog: str = "teamrl run") -> int:
-    args = build_parser(prog).parse_args(argv)
+def main(
+    argv: list[str] | None = None,
+    prog: str = "teamrl run",
+    workflow: str | None = None,
+    run_dir: str = "runs/run",
+) -> int:
+    args = parse_args(argv, prog, workflow, run_dir)
     if args.resume:
         run_json = Path(args.resume) / "run.json"
         if not run_json.is_file():
@@ -252,17 +193,32 @@ def main(argv: list[str] | None = None, prog: str = "teamrl run") -> int:
                 file=sys.stderr,
             )
             return 2
-        args.run_dir = args.resume
-        args.mode = "async"
+        saved = json.loads(run_json.read_text())
+        for k, v in saved["args"].items():
+            if k not in ("run_dir", "resume"):
+                setattr(args, k, v)
+        args.run_dir, args.mode = args.resume, "async"
+    from teamrl.cli.plan import PlanError, plan
+
+    try:
+        run_plan = plan(args)
+    except PlanError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(f"[teamrl] {run_plan.team.summary()}", flush=True)
     if args.mode == "async":
         from teamrl.cli.run_async import run_async
 
-        return run_async(args)
-    return asyncio.run(_run(args))
+        return run_async(args, run_plan)
+    import asyncio
+
+    from teamrl.cli.run_sync import run_sync
+
+    return asyncio.run(run_sync(args, run_plan))
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    return main(argv, prog="teamrl demo")
+    return main(["--config", str(DEMO_CONFIG), *(argv or [])], prog="teamrl demo")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import sys
@@ -28,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from teamrl.cli.plan import RunPlan, config_toml
 from teamrl.cli.plots import read_jsonl
-from teamrl.cli.run import reward_kwargs
+from teamrl.cli.run_sync import summary
 from teamrl.cli.supervisor import Service, Supervisor
 from teamrl.rollout.cpus import core_shares
 
@@ -58,57 +58,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def resolved_config(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    """The [buffer], [learner] and [rollout] tables of this run (written to RUN/config.toml)."""
-    batch = args.tasks_per_step * args.group_size
-    return {
-        "buffer": {
-            "group_size": args.group_size,
-            "min_size": batch,
-            "max_policy_lag": args.max_lag,
-            "max_times_sampled": 1,
-            "sampler": "fifo",
-            "capacity": 20 * batch,
-            "fsync": False,
-            "checkpoint_interval_s": 0.5,
-        },
-        "learner": {
-            "base_model": model,
-            "adapters": ["solver-lora", "verifier-lora"],
-            "batch_size": batch,
-            "micro_batch_rows": 256,
-            "lr": args.lr,
-            "clip_low": 0.2,
-            "clip_high": 0.28,
-            "algorithm": args.algorithm,
-            "update_order": args.update_order,
-            "max_steps": args.steps,
-            "min_policy_version_lag": args.max_lag,
-            "logprob_tolerance": None,
-            "checkpoint_interval": args.checkpoint_interval,
-            "publish_mode": "inline",
-            "seed": args.seed,
-        },
-        "rollout": {
-            "model": model,
-            "workflow": "addition-duo",
-            "group_size": args.group_size,
-            "groups_in_flight": args.tasks_per_step,
-            "num_replicas": args.rollouts,
-            "seed": args.seed,
-            "eval_interval": args.eval_interval,
-            "eval_tasks": args.eval_tasks,
-            "reward_scale": (reward_kwargs(args) or {}).get("role_scale", {}),
-        },
-    }
-
-
-def _toml(cfg: dict[str, Any]) -> str:
-    from teamrl.cli.config import _to_toml
-
-    return _to_toml(cfg) + "\n"
 
 
 class LiveView:
@@ -150,10 +99,7 @@ class LiveView:
                     f"{row.get('version_lag_mean', 0):.2f} / {row.get('version_lag_max', 0):.0f}",
                 )
             if ev:
-                tab.add_row(
-                    f"held-out @v{ev.get('version')}",
-                    f"solver {ev.get('solver_accuracy', 0):.3f}  verifier {ev.get('verifier_accuracy', 0):.3f}",
-                )
+                tab.add_row(f"held-out @v{ev.get('version')}", held_out_line(ev))
             if buf:
                 tab.add_row(
                     "buffer",
@@ -176,36 +122,39 @@ class LiveView:
             self.live.stop()
 
 
-def run_async(args: argparse.Namespace) -> int:
+def held_out_line(ev: dict) -> str:
+    """Every number of an evaluation row (the workflow decides which: team reward, each agent's)."""
+    skip = {"step", "time", "version"}
+    return "  ".join(
+        f"{k.removesuffix('_accuracy')} {v:.3f}"
+        for k, v in ev.items()
+        if k not in skip and isinstance(v, (int, float))
+    )
+
+
+def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_begin = time.time()
-    if args.resume:
-        saved = json.loads((run_dir / "run.json").read_text())
-        keep = {"run_dir", "resume"}
-        for k, v in saved["args"].items():
-            if k not in keep:
-                setattr(args, k, v)
-        model = saved["model"]
-        t0 = saved["t0"]
+    if args.resume:  # the saved args were restored by teamrl.cli.run.main; the plan is remade from them
+        t0 = json.loads((run_dir / "run.json").read_text())["t0"]
     else:
-        if args.model:
-            model = args.model
-        else:
-            from teamrl.learner.modelbuild import build
-
-            model = str(build())
         t0 = t_begin
         (run_dir / "run.json").write_text(
-            json.dumps({"args": vars(args), "model": model, "t0": t0}, indent=1) + "\n"
+            json.dumps({"args": vars(args), "model": plan.model, "t0": t0}, indent=1) + "\n"
         )
-        (run_dir / "config.toml").write_text(_toml(resolved_config(args, model)))
+    (run_dir / "config.toml").write_text(config_toml(plan.config))
     # Fresh loopback ports every start: state lives in the run folder, not in the wiring.
     ports = {"data": free_port(), "sample": free_port(), "publish": free_port_pair()}
     ports["metrics_buffer"] = free_port()
     ports["metrics_learner"] = free_port()
     for i in range(args.rollouts):
         ports[f"metrics_rollout_{i}"] = free_port()
+    saved = json.loads((run_dir / "run.json").read_text())
+    saved["metrics_ports"] = {
+        k.removeprefix("metrics_"): v for k, v in ports.items() if k.startswith("metrics_")
+    }
+    (run_dir / "run.json").write_text(json.dumps(saved, indent=1) + "\n")  # this start's ports (dashboards)
     cfg_path = str(run_dir / "config.toml")
     ep = {k: f"tcp://127.0.0.1:{v}" for k, v in ports.items() if not k.startswith("metrics")}
     env = {"TEAMRL_RUN_T0": str(t0), "OMP_NUM_THREADS": str(args.threads_per_service)}
@@ -377,40 +326,8 @@ def run_async(args: argparse.Namespace) -> int:
         print(f"[teamrl] no plots ({e})")
     evals = read_jsonl(run_dir / "eval.jsonl")
     if evals:
-        print(
-            f"[teamrl] done in {time.time() - t_begin:.0f} s: held-out solver accuracy "
-            f"{evals[0].get('solver_accuracy', 0):.3f} (v{evals[0].get('version')}) -> "
-            f"{evals[-1].get('solver_accuracy', 0):.3f} (v{evals[-1].get('version')})",
-            flush=True,
-        )
+        print(f"[teamrl] done in {time.time() - t_begin:.0f} s: {summary(evals[0], evals[-1])}", flush=True)
     bad = {k: v for k, v in codes.items() if v not in (0, None, -15)}
     if bad and rc == 0:
         rc = 1
     return rc
-
-
-def add_async_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rollouts", type=int, default=1, help="rollout services (async mode; default 1)")
-    p.add_argument("--learners", type=int, default=1, help="learner ranks (async mode; default 1)")
-    p.add_argument(
-        "--max-lag", type=int, default=2, help="async: drop data more than this many versions old (default 2)"
-    )
-    p.add_argument("--checkpoint-interval", type=int, default=10, help="learner checkpoint every k steps")
-    p.add_argument(
-        "--threads-per-service",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) // 2),
-        help="OMP/torch threads per service process (default: half the cores)",
-    )
-    p.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="async: learner metrics also as TensorBoard events in RUN/tensorboard",
-    )
-    p.add_argument(
-        "--resume",
-        metavar="RUN",
-        default=None,
-        help="continue the async run in folder RUN with its saved settings (learner and buffer resume "
-        "from their last complete checkpoints; versions never go backwards)",
-    )

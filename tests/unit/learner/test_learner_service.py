@@ -26,7 +26,7 @@ from teamrl.protocol.errors import PeerTimeout
 from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
 from teamrl.protocol.zmq_transport import WeightsSubscriber, ZmqDataSender, latest_endpoint_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
@@ -108,6 +108,8 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         "[buffer]\ngroup_size = 4\nmin_size = 8\nmax_policy_lag = 1000\nfsync = false\n"
         "checkpoint_interval_s = 0.1\n\n"
         '[learner]\nbatch_size = 8\nlogprob_tolerance = 100.0\npublish_mode = "inline"\n'
+        'adapters = ["solver-lora", "verifier-lora"]\n'
+        "probe_prompt = [1, 16, 2, 3, 12, 4, 5, 13]\nprobe_completion = [2, 4, 6, 14]\n"
         "checkpoint_interval = 2\nlr = 1e-3\n"
         # LangMARL rounds on: the embedded model cannot read the judge prompt, so each round is a
         # counted judge_error and weight training must go on regardless

@@ -28,7 +28,7 @@ from teamrl.protocol.codec import decode_trajectories
 from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
 from teamrl.protocol.zmq_transport import WeightsPublisher, ZmqDataReceiver, latest_endpoint_for
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 PROMPT = [1, 16, 2, 3, 12, 4, 5, 13]  # <bos>S01+23=
 COMPLETION = [2, 4, 6, 14]  # 024;
@@ -125,6 +125,8 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
             pub_ep,
             "--metrics-port",
             str(mport),
+            "--set",
+            "workflow=addition-duo",
             "--set",
             f"group_size={GROUP}",
             "--set",

@@ -60,9 +60,9 @@ class LearnerConfig(_Strict):
         "", description="model folder; empty = the embedded model (``--model`` overrides it)"
     )
     adapters: list[str] = Field(
-        default_factory=lambda: ["solver-lora", "verifier-lora"],
         min_length=1,
-        description="adapter names this learner trains on the shared base (one LoRA each)",
+        description="adapter names this learner trains on the shared base (one LoRA each); "
+        "`teamrl workflow plan` prints them for a workflow",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="model dtype (float32 on CPU)")
@@ -179,14 +179,14 @@ class LearnerConfig(_Strict):
         "carry the adapter payload in the announcement when it is <= inline_max_bytes (else uri, counted)",
     )
     probe_prompt: list[int] = Field(
-        default_factory=lambda: [1, 16, 2, 3, 12, 4, 5, 13],
         min_length=1,
-        description="token ids of the fixed probe prompt (embedded tokenizer: '<bos>S01+23=')",
+        description="token ids of the probe prompt (a held-out task's prompt in the model's tokenizer: "
+        "`teamrl workflow plan` builds it)",
     )
     probe_completion: list[int] = Field(
-        default_factory=lambda: [2, 4, 6, 14],
         min_length=1,
-        description="token ids of the fixed probe completion ('024;'); its log-probs are announced",
+        description="token ids of the probe completion; the learner announces their log-probs with each "
+        "version and a rollout uses the version only if vLLM reproduces them",
     )
 
     @model_validator(mode="after")

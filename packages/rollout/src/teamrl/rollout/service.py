@@ -62,7 +62,10 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("", description="model folder; empty = the embedded model (built if missing)")
-    workflow: str = Field("addition-duo", description="built-in workflow name (teamrl.rollout.workflows)")
+    workflow: str = Field(
+        min_length=1,
+        description="workflow name (`teamrl workflow list`) or TOML file, as `teamrl run --workflow`",
+    )
     tasks: str = Field("", description="JSONL or Parquet task file; empty = the workflow's training split")
     group_size: int = Field(8, ge=1, description="episodes per task (the group of a group baseline)")
     groups_in_flight: int = Field(16, ge=1, description="groups generated concurrently")
