@@ -3,6 +3,7 @@ which writes a resolved config into the run folder."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel
@@ -29,7 +30,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int | float):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are TOML basic-string escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):

@@ -1,0 +1,221 @@
+"""A workflow on a model folder is planned and checked before any process starts (teamrl.rollout.team,
+teamrl.cli.plan, `teamrl workflow check`, `teamrl run`): what each service is told, and every way a
+workflow that cannot train is refused with the file, agent and field named (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from teamrl.rollout.team import lora_targets, plan_team
+from teamrl.rollout.tokenizer import ByteTokenizer
+from teamrl.rollout.workflow import WorkflowError
+from teamrl.rollout.workflows import load
+
+CLI = [sys.executable, "-m", "teamrl.cli.main"]
+
+
+def fake_model(root: Path, *, char: bool = True, modules=("q_proj", "k_proj", "v_proj", "o_proj")) -> Path:
+    """A model folder with a config, safetensors *headers* naming layers, and (char) the embedded
+    marker: enough for planning, which reads names and the tokenizer, never weights."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    if char:
+        (root / "teamrl_model.json").write_text(json.dumps({"task": "addition"}))
+    header = {
+        f"model.layers.0.self_attn.{m}.weight": {
+            "dtype": "F32",
+            "shape": [1],
+            "data_offsets": [4 * i, 4 * i + 4],
+        }
+        for i, m in enumerate(modules)
+    }
+    raw = json.dumps(header).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4 * len(modules))
+    return root
+
+
+def write_workflow(path: Path, **changes) -> Path:
+    """addition-duo as TOML with top-level tables replaced by ``changes``."""
+    from teamrl.cli.config import _to_toml
+
+    data = load("addition-duo").model_dump(mode="json")
+    data.update(changes)
+    data["reward"] = {k: v for k, v in data["reward"].items() if v not in ("", {})}
+    path.write_text(_to_toml(_clean(data)))
+    return path
+
+
+def _clean(x):
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def test_plan_takes_adapters_ranks_targets_probe_and_split_from_the_workflow(tmp_path: Path) -> None:
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj", "up_proj"))
+    team = plan_team("addition-duo", model)
+    assert team.adapters == {"solver-lora": 8, "verifier-lora": 8}
+    assert team.shared_by == {"solver-lora": ["solver"], "verifier-lora": ["verifier"]}
+    assert team.target_modules == ["q_proj", "v_proj"]  # what the architecture has, not a fixed list
+    assert team.max_lora_rank == 8 and team.temperature == 1.0
+    assert team.train_size == 9800 and team.held_out_size == 200
+    assert team.probe_prompt[0] == 1 and team.probe_completion[-1] == 14  # <bos>S.. -> digits, EOS
+    shared = plan_team("addition-duo-shared", model)
+    assert shared.adapters == {"team-lora": 8} and shared.shared_by == {"team-lora": ["solver", "verifier"]}
+
+
+def test_each_adapter_keeps_its_own_rank_and_the_engine_max_covers_the_largest(tmp_path: Path) -> None:
+    model = fake_model(tmp_path / "m")
+    wf = load("addition-duo").model_dump(mode="json")
+    wf["adapters"]["verifier-lora"]["rank"] = 24
+    team = plan_team(write_workflow(tmp_path / "w.toml", adapters=wf["adapters"]), model)
+    assert team.adapters == {"solver-lora": 8, "verifier-lora": 24} and team.max_lora_rank == 32
+    wf["adapters"]["verifier-lora"]["rank"] = 300
+    with pytest.raises(WorkflowError, match=r"'verifier-lora' has rank 300.*256") as e:
+        plan_team(write_workflow(tmp_path / "w.toml", adapters=wf["adapters"]), model)
+    assert e.value.agent == "verifier"
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        ({"adapter": ""}, r"no agent has an adapter"),
+        ({"model": "other"}, r"agent 'solver' maps to unknown model 'other'"),
+        ({"template": "S{task[nope]}"}, r"agent 'solver' template.*no field 'nope'"),
+        (
+            {"template": "Solve {task[question]}"},
+            r"agent 'solver' template: the model's tokenizer cannot encode",
+        ),
+    ],
+)
+def test_a_workflow_that_cannot_train_is_refused_naming_file_agent_and_field(
+    tmp_path: Path, change: dict, pattern: str
+) -> None:
+    model = fake_model(tmp_path / "m")
+    agents = load("addition-duo").model_dump(mode="json")["agents"]
+    for a in agents:
+        if "adapter" in change or a["id"] == "solver":
+            a.update(change)
+    path = write_workflow(tmp_path / "mine.toml", agents=agents)
+    with pytest.raises(WorkflowError, match=pattern) as e:
+        plan_team(path, model)
+    assert "mine.toml" in str(e.value)
+
+
+def test_reward_answer_from_must_name_an_agent_and_other_refusals(tmp_path: Path) -> None:
+    model = fake_model(tmp_path / "m")
+    with pytest.raises(WorkflowError, match=r"answer_from names agent 'nobody'"):
+        plan_team(
+            write_workflow(tmp_path / "a.toml", reward={"name": "addition", "answer_from": "nobody"}), model
+        )
+    with pytest.raises(WorkflowError, match=r"unknown reward 'magic'"):
+        plan_team(write_workflow(tmp_path / "b.toml", reward={"name": "magic"}), model)
+    with pytest.raises(WorkflowError, match=r"trained agents run on 2 base models"):
+        plan_team("math-duo-hetero", model, tokenizer=ByteTokenizer())
+    with pytest.raises(WorkflowError, match=r"no attention projection"):
+        lora_targets(fake_model(tmp_path / "gpt", modules=("c_attn", "c_proj")))
+
+
+def test_answer_from_scores_the_named_agent_not_the_last_of_a_role() -> None:
+    from teamrl.rollout.workflow import ActView, AdditionReward
+
+    task = {"question": "07+45=", "answer": "52"}
+
+    def act(i, agent, role, text, parents=()):
+        return ActView(i, agent, agent, role, 0, text, text, list(parents), [i])
+
+    acts = [act(0, "solver_a", "solver", "052;"), act(1, "solver_b", "solver", "999;")]
+    assert AdditionReward()(task, acts).trajectory == 0.0  # role rule: the last solver act (wrong)
+    assert AdditionReward(answer_agent="solver_a")(task, acts).trajectory == 1.0
+
+
+def test_workflow_check_and_plan_commands(tmp_path: Path) -> None:
+    model = fake_model(tmp_path / "m")
+    t0 = time.perf_counter()
+    ok = subprocess.run(
+        [*CLI, "workflow", "check", "addition-duo", "--model", str(model)], capture_output=True, text=True
+    )
+    took = time.perf_counter() - t0
+    assert ok.returncode == 0 and "adapters solver-lora (r=8; solver)" in ok.stdout, ok.stderr
+    print(f"teamrl workflow check: {took:.2f} s including interpreter start")
+    bad = subprocess.run(
+        [*CLI, "workflow", "check", "math-trio", "--model", str(model)], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "agent 'planner'" in bad.stderr and "cannot encode" in bad.stderr
+    plan = subprocess.run(
+        [*CLI, "workflow", "plan", "addition-duo", "--model", str(model), "--group-size", "4"],
+        capture_output=True,
+        text=True,
+    )
+    assert plan.returncode == 0, plan.stderr
+    import tomllib
+
+    tables = tomllib.loads(plan.stdout)
+    assert tables["learner"]["adapters"] == ["solver-lora", "verifier-lora"]
+    assert tables["buffer"]["group_size"] == tables["rollout"]["group_size"] == 4
+    assert tables["rollout"]["workflow"] == "addition-duo"
+    schema = subprocess.run([*CLI, "workflow", "schema"], capture_output=True, text=True)
+    assert "answer_from" in schema.stdout and "[agents.sampling]" in schema.stdout
+
+
+@pytest.mark.parametrize(
+    "extra,pattern",
+    [
+        (["--steps", "-5"], "--steps: must be >= 1"),
+        (["--group-size", "0"], "--group-size: must be >= 1"),
+        (["--set", "learner.lr=-1"], "learner.lr"),
+        (["--set", "learner.algorithm=magic"], "learner.algorithm"),
+        (["--set", "nosuch.key=1"], "unknown sections"),
+        (["--reward-scale", "judge=2"], "roles ['judge'] are not in workflow"),
+    ],
+)
+def test_run_refuses_bad_numbers_and_settings_before_starting_anything(
+    tmp_path: Path, extra: list[str], pattern: str
+) -> None:
+    model = fake_model(tmp_path / "m")
+    run = tmp_path / "run"
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [*CLI, "run", "--workflow", "addition-duo", "--model", str(model), "--run-dir", str(run), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and pattern in res.stderr, res.stderr
+    assert not run.exists()  # nothing started, nothing written
+    print(f"refused in {time.perf_counter() - t0:.2f} s")
+
+
+def test_run_config_file_sets_flags_and_service_tables(tmp_path: Path) -> None:
+    import argparse
+
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+
+    model = fake_model(tmp_path / "m")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'[run]\nworkflow = "addition-duo"\nmodel = "{model}"\nsteps = 7\ngroup_size = 4\n\n'
+        "[learner]\nkl_coef = 0.01\n[learner.lora]\nalpha = 32.0\n"
+    )
+    args = parse_args(
+        ["--config", str(cfg), "--steps", "9", "--set", "rollout.eval_tasks=5"], "teamrl run", None, "r"
+    )
+    assert isinstance(args, argparse.Namespace) and (args.steps, args.group_size) == (
+        9,
+        4,
+    )  # flag beats [run]
+    p = plan(args)
+    lrn = p.config["learner"]
+    assert lrn["kl_coef"] == 0.01 and lrn["lora"]["alpha"] == 32.0 and lrn["lora"]["target_modules"]
+    assert lrn["max_steps"] == 9 and p.config["rollout"]["eval_tasks"] == 5
+    assert lrn["probe_prompt"] == p.team.probe_prompt
