@@ -12,13 +12,14 @@ Held-out tasks (:func:`teamrl.rollout.team.split_tasks`): the workflow's task se
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from teamrl.rollout.team import split_tasks
 from teamrl.rollout.workflows import load, shard
 
-__all__ = ["WorkflowRunner", "shard"]
+__all__ = ["WorkflowRunner", "answer_agents", "evaluation_metrics", "shard", "verifier_agents"]
 
 
 class WorkflowRunner:
@@ -94,19 +95,72 @@ class WorkflowRunner:
         )
 
     async def evaluate(self, tasks: list[dict]) -> dict[str, float]:
-        """Greedy episodes on ``tasks``: mean team reward and each agent's mean step reward.
-
-        ``<agent>_accuracy`` is that mean (an accuracy when the agent's reward is 0/1, as in
-        addition-duo: the solver's correct sums, the verifier's correct verdicts).
-        """
+        """Greedy episodes on ``tasks``; the metrics of :func:`evaluation_metrics`."""
         trajs = await asyncio.gather(
             *[self.episode(t, 0, group_id=f"eval-{i}", greedy=True) for i, t in enumerate(tasks)]
         )
-        out = {"reward_mean": sum(t.reward for t in trajs) / max(1, len(trajs))}
-        per: dict[str, list[float]] = {}
-        for t in trajs:
-            for s in t.steps:
-                per.setdefault(s.agent_id, []).append(float(s.reward))
-        for agent, xs in per.items():
-            out[f"{agent}_accuracy"] = sum(xs) / len(xs)
-        return out
+        return evaluation_metrics(trajs, verifier_agents(self.workflow), answer_agents(self.workflow))
+
+
+def verifier_agents(wf: Any) -> list[str]:
+    """Agents whose step reward is a verdict on an answer they read: role ``verifier``, or the
+    outcome reward's ``verifier_role``."""
+    role = (wf.reward.kwargs.get("verifier_role") if wf.reward is not None else None) or "verifier"
+    return [a.id for a in wf.agents if a.role == role]
+
+
+def answer_agents(wf: Any) -> list[str]:
+    """The agents whose output is the team's answer: ``reward.answer_from``, else the reward's
+    answer role (``solver`` by default)."""
+    if wf.reward is not None and wf.reward.answer_from:
+        return [wf.reward.answer_from]
+    role = (wf.reward.kwargs.get("answer_role") if wf.reward is not None else None) or "solver"
+    return [a.id for a in wf.agents if a.role == role]
+
+
+def evaluation_metrics(
+    trajs: Sequence[Any], verifiers: Sequence[str] = (), answers: Sequence[str] = ()
+) -> dict[str, float]:
+    """What a held-out evaluation reports, for any workflow (docs/workflows.md, "Evaluation").
+
+    * ``reward_mean``: mean team (trajectory) reward; ``<agent>_accuracy``: each agent's mean step
+      reward (an accuracy where that reward is 0/1);
+    * ``first_try_accuracy``: mean reward of each episode's first step by an answering agent
+      (``answers``), reported when some agent acted twice in an episode (the team routed back), to
+      compare with the team's reward after routing;
+    * for each verifier agent ``v`` (a 0/1 verdict on the answer step it read): ``v_accept_rate`` and
+      ``v_balanced_accuracy``, the mean of its true-accept rate (accepts among correct answers) and
+      true-reject rate (rejects among wrong answers). A constant verdict scores 0.5 there, whatever
+      the class balance, where its plain accuracy would be the share of the majority class.
+    """
+    out = {"reward_mean": sum(float(t.reward) for t in trajs) / max(1, len(trajs))}
+    per: dict[str, list[float]] = {}
+    firsts: list[float] = []
+    routed = False
+    verdicts: dict[str, list[tuple[bool, bool]]] = {v: [] for v in verifiers}  # (answer ok, accepted)
+    for t in trajs:
+        seen: set[str] = set()
+        for i, s in enumerate(t.steps):
+            per.setdefault(s.agent_id, []).append(float(s.reward))
+            routed |= s.agent_id in seen
+            seen.add(s.agent_id)
+            if s.agent_id in verdicts and len(s.parents):
+                answer = t.steps[int(s.parents[-1])]
+                ok, right = float(answer.reward) >= 1.0, float(s.reward) >= 1.0
+                verdicts[s.agent_id].append((ok, ok == right))
+            if s.agent_id in answers and not any(x.agent_id in answers for x in t.steps[:i]):
+                firsts.append(float(s.reward))
+    for agent, xs in per.items():
+        out[f"{agent}_accuracy"] = sum(xs) / len(xs)
+    if routed and firsts:
+        out["first_try_accuracy"] = sum(firsts) / len(firsts)
+    for v, pairs in verdicts.items():
+        if not pairs:
+            continue
+        good = [acc for ok, acc in pairs if ok]
+        bad = [acc for ok, acc in pairs if not ok]
+        out[f"{v}_accept_rate"] = sum(acc for _, acc in pairs) / len(pairs)
+        rates = [sum(good) / len(good)] if good else []
+        rates += [1.0 - sum(bad) / len(bad)] if bad else []
+        out[f"{v}_balanced_accuracy"] = sum(rates) / len(rates)
+    return out
