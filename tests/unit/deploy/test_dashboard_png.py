@@ -1,12 +1,19 @@
-"""scripts/dashboard_png.py: its PromQL subset reads every shipped panel query and computes what
-Prometheus would (rates with counter resets, sums by label, histogram quantiles, ratios)."""
+"""scripts/dashboard_png.py: it finds a run's endpoints, asks a real Prometheus the panel queries
+(through its HTTP API, with range selectors cut to --max-window) and draws every panel.
+
+The Prometheus checks start the real server (Debian package ``prometheus``; ``make setup``
+installs it where apt works) scraping an in-process ``prometheus_client`` endpoint whose counter
+grows at a known rate; they are skipped, with that reason, where the binary is missing.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,81 +22,128 @@ from conftest import DEPLOY, ROOT
 spec = importlib.util.spec_from_file_location("dashboard_png", ROOT / "scripts" / "dashboard_png.py")
 assert spec and spec.loader
 dp = importlib.util.module_from_spec(spec)
-sys.modules["dashboard_png"] = dp  # dataclasses look their module up
+sys.modules["dashboard_png"] = dp
 spec.loader.exec_module(dp)
 
 DASHBOARD = json.loads((DEPLOY / "monitoring" / "dashboards" / "teamrl.json").read_text())
+needs_prometheus = pytest.mark.skipif(
+    dp.prometheus_binary() is None,
+    reason="no `prometheus` binary (Debian package prometheus; scripts/setup.sh installs it where apt works)",
+)
 
 
-def lb(**kv: str) -> frozenset:
-    return frozenset(kv.items())
+def test_shorten_ranges_cuts_only_longer_windows() -> None:
+    expr = "sum(rate(a_total[5m])) / sum(rate(b_sum[10s])) + rate(c[1h])"
+    assert dp.shorten_ranges(expr, 30) == "sum(rate(a_total[30s])) / sum(rate(b_sum[10s])) + rate(c[30s])"
+    assert dp.shorten_ranges(expr, 0) == expr
+    assert dp.shorten_ranges('x{le="+Inf"}', 30) == 'x{le="+Inf"}'
 
 
-def at(scrapes: list, expr: str, i: int = -1, max_window: float = 1e9) -> dict:
-    i = i % len(scrapes)
-    val = dp.evaluate(dp.parse_query(expr), scrapes, i, max_window)
-    return {frozenset(): val} if isinstance(val, float) else val
-
-
-def test_every_panel_query_parses() -> None:
-    exprs = [t["expr"] for p in DASHBOARD["panels"] for t in p.get("targets", [])]
-    assert exprs
-    for e in exprs:
-        dp.parse_query(e)
-
-
-def test_unsupported_query_is_refused_with_the_query_named() -> None:
-    with pytest.raises(ValueError, match="avg_over_time|rate"):
-        dp.parse_query("rate(teamrl_x)")
-
-
-def test_rate_handles_a_counter_reset_and_sums_by_label() -> None:
-    a, b = lb(agent="solver", instance="r0"), lb(agent="solver", instance="r1")
-    v = lb(agent="verifier", instance="r0")
-    scrapes = [
-        (0.0, {"t_total": {a: 0.0, b: 10.0, v: 0.0}}),
-        (10.0, {"t_total": {a: 50.0, b: 20.0, v: 5.0}}),
-        (20.0, {"t_total": {a: 100.0, b: 5.0, v: 10.0}}),  # r1 restarted: 5 counted since 0
-    ]
-    got = at(scrapes, "sum by (agent) (rate(t_total[5m]))")
-    assert got == {lb(agent="solver"): pytest.approx((100 + 10 + 5) / 20), lb(agent="verifier"): 0.5}
-    # A window shorter than the data uses only the scrapes inside it.
-    assert at(scrapes, "sum(rate(t_total[10s]))") == {frozenset(): pytest.approx((50 + 5 + 5) / 10)}
-    assert at(scrapes, "sum(rate(t_total[5m]))", i=0) == {}  # one scrape: no rate yet
-
-
-def test_histogram_quantile_interpolates_inside_the_bucket() -> None:
-    def buckets(c1: float, c2: float, inf: float) -> dict:
-        return {lb(le="1.0"): c1, lb(le="2.0"): c2, lb(le="+Inf"): inf}
-
-    scrapes = [(0.0, {"h_bucket": buckets(0, 0, 0)}), (10.0, {"h_bucket": buckets(4, 8, 8)})]
-    expr = "histogram_quantile({q}, sum by (le) (rate(h_bucket[5m])))"
-    assert at(scrapes, expr.format(q=0.5))[frozenset()] == pytest.approx(1.0)
-    assert at(scrapes, expr.format(q=0.75))[frozenset()] == pytest.approx(1.5)
-    quiet = [(0.0, {"h_bucket": buckets(4, 8, 8)}), (10.0, {"h_bucket": buckets(4, 8, 8)})]
-    assert at(quiet, expr.format(q=0.5)) == {}  # nothing observed: Prometheus says NaN
-
-
-def test_ratio_of_rates_and_division_by_zero() -> None:
-    scrapes = [
-        (0.0, {"w_sum": {lb(): 0.0}, "s_sum": {lb(): 0.0}}),
-        (10.0, {"w_sum": {lb(): 1.0}, "s_sum": {lb(): 4.0}}),
-        (20.0, {"w_sum": {lb(): 1.0}, "s_sum": {lb(): 4.0}}),
-    ]
-    expr = "sum(rate(w_sum[10s])) / sum(rate(s_sum[10s]))"
-    assert at(scrapes, expr, i=1)[frozenset()] == pytest.approx(0.25)
-    assert math.isnan(at(scrapes, expr, i=2)[frozenset()])
-
-
-def test_plot_draws_every_panel_and_reports_which_had_data(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    inst = {"instance": "r0", "agent": "solver"}
-    scrapes = [
-        (float(t), {"teamrl_rollout_tokens_total": {frozenset(inst.items()): 100.0 * t}}) for t in range(5)
-    ]
+def test_plot_draws_every_panel_and_counts_points(tmp_path: Path) -> None:
+    title = "Throughput per agent (generated tokens/s)"
+    series = {title: {"solver": ([100.0, 101.0, 102.0], [1.0, 2.0, 3.0]), "verifier": ([101.0], [0.5])}}
     out = tmp_path / "d.png"
-    counts = dp.plot(DASHBOARD, scrapes, out, 30.0, "test")
+    counts = dp.plot(DASHBOARD, series, out, "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(counts) == {p["title"] for p in DASHBOARD["panels"] if p.get("type") == "timeseries"}
-    assert counts["Throughput per agent (generated tokens/s)"] == 4
-    assert sum(counts.values()) == 4
+    assert counts[title] == 4 and sum(counts.values()) == 4
+
+
+def test_run_dir_targets_from_run_json_or_the_live_services(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    assert dp.targets_from_run(run) == []
+    # What a service of `teamrl run` looks like in the process table: its --config inside RUN.
+    fake = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "rollout", "--config", "run/config.toml"]
+        + ["--metrics-port", "45123"],
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not dp.targets_from_run(run) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dp.targets_from_run(run) == ["127.0.0.1:45123"]
+        # The launcher's record wins where it exists.
+        (run / "run.json").write_text(json.dumps({"metrics_ports": {"buffer": 45001, "learner": 45002}}))
+        assert dp.targets_from_run(run) == ["127.0.0.1:45001", "127.0.0.1:45002"]
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+@pytest.fixture
+def exporter():
+    """An in-process /metrics endpoint: a counter growing by 50 per second, labelled by agent."""
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+    reg = CollectorRegistry()
+    c = Counter("teamrl_test_tokens", "test", ["agent"], registry=reg)
+    stop = threading.Event()
+
+    def grow() -> None:
+        while not stop.wait(0.1):
+            c.labels(agent="solver").inc(5)
+
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=reg)
+    t = threading.Thread(target=grow, daemon=True)
+    t.start()
+    yield f"127.0.0.1:{server.server_port}", server
+    stop.set()
+    server.shutdown()
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_real_prometheus_answers_rates_and_refuses_bad_queries(exporter) -> None:
+    target, _server = exporter
+    with dp.local_prometheus([target], interval=0.5, labels={"namespace": "teamrl"}) as url:
+        deadline = time.monotonic() + 10
+        while dp.targets_health(url) != {target: "up"} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert dp.targets_health(url) == {target: "up"}
+        time.sleep(3.0)  # a few scrapes for the rate
+        (r,) = dp.query(url, "sum by (agent, namespace) (rate(teamrl_test_tokens_total[3s]))")
+        assert r["metric"] == {"agent": "solver", "namespace": "teamrl"}
+        assert float(r["value"][1]) == pytest.approx(50.0, rel=0.3)
+        with pytest.raises(RuntimeError, match="parse"):
+            dp.query(url, "sum(rate(teamrl_test_tokens_total))")
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_cli_scrapes_a_target_and_plots_what_prometheus_answers(
+    exporter, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, _server = exporter
+    board = {
+        "title": "test",
+        "panels": [
+            {
+                "title": "tokens/s",
+                "type": "timeseries",
+                "gridPos": {"h": 8, "w": 12, "x": 0, "y": 0},
+                "targets": [
+                    {
+                        "expr": "sum by (agent) (rate(teamrl_test_tokens_total[5m]))",
+                        "legendFormat": "{{agent}}",
+                    }
+                ],
+            },
+            {
+                "title": "nothing",
+                "type": "timeseries",
+                "gridPos": {"h": 8, "w": 12, "x": 12, "y": 0},
+                "targets": [{"expr": "sum(rate(teamrl_absent_total[5m]))"}],
+            },
+        ],
+    }
+    (tmp_path / "board.json").write_text(json.dumps(board))
+    out = tmp_path / "d.png"
+    argv = ["--target", target, "--interval", "0.5", "--duration", "4", "--max-window", "2"]
+    assert dp.main([*argv, "--dashboard", str(tmp_path / "board.json"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = capsys.readouterr().out.splitlines()
+    (tokens,) = [x.split() for x in lines if x.endswith("tokens/s")]
+    assert tokens[0] == "data" and int(tokens[1]) >= 4  # a point every 0.5 s over ~4 s
+    assert any(x.split()[:2] == ["NO", "DATA"] and x.endswith("nothing") for x in lines)

@@ -10,6 +10,7 @@ kubernetes-validate, so their required fields are checked by hand.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -333,3 +334,20 @@ def test_yamllint_config_exists_and_repo_root_is_right() -> None:
     # Guards the paths the other tests rely on (a moved tree would make them vacuous).
     assert (DEPLOY / ".yamllint.yaml").is_file()
     assert (ROOT / "pyproject.toml").is_file() and (DEPLOY / "base" / "kustomization.yaml").is_file()
+
+
+def test_readme_states_the_autoscalers_settings() -> None:
+    """The README's Deploy section quotes the HPA; a changed manifest must change the README too."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Deploy (Kubernetes)") :]
+    hpa = _one(render_tree("overlays/gpu"), "HorizontalPodAutoscaler", "rollout")["spec"]
+    down = hpa["behavior"]["scaleDown"]
+    (policy,) = down["policies"]
+    m = re.search(
+        r"Scale-down waits (\d+) s \(stabilisation window; then\s+at most one pod per (\d+) s\)", section
+    )
+    assert m, "README no longer says how slowly rollouts scale down"
+    assert int(m.group(1)) == down["stabilizationWindowSeconds"]
+    assert (policy["type"], policy["value"], int(m.group(2))) == ("Pods", 1, policy["periodSeconds"])
+    target = int(hpa["metrics"][0]["external"]["target"]["value"].rstrip("m")) / 1000
+    assert f"target {target:g})" in section

@@ -127,6 +127,8 @@ def test_dashboard_covers_the_issue_panels() -> None:
         "buffer size",
         "rejected frames",
         "step time",
+        "stale drops",
+        "evictions",
     ):
         assert topic in titles, f"no dashboard panel about {topic}"
     ids = [p["id"] for p in dashboard["panels"]]
