@@ -83,7 +83,37 @@ def build_parser(prog: str = "teamrl show") -> argparse.ArgumentParser:
         help="read the N newest samples/*.arrow files, plus a few spread over the run (default 20)",
     )
     p.add_argument("--title", help="page title (default: the run folder's name)")
+    p.add_argument(
+        "--print",
+        type=int,
+        default=0,
+        metavar="N",
+        dest="print_episodes",
+        help="also print the N newest sampled episodes as text: who said what to whom, rewards, versions",
+    )
     return p
+
+
+def episode_text(traj: GraphTrajectory, width: int = 400) -> str:
+    """One episode as plain text: each step with its agent, the steps it read, version and reward."""
+    head = (
+        f"episode {traj.episode_id} task {traj.task_id} ({traj.workflow}): team reward "
+        f"{_fmt(float(traj.reward))}"
+    )
+    lines = [head]
+    for i, st in enumerate(traj.steps):
+        read = ", ".join(f"#{int(p)} {traj.steps[int(p)].agent_id}" for p in st.parents)
+        text = st.response_text.strip().replace("\n", "\n      ")
+        if len(text) > width:
+            text = text[:width] + f"... (+{len(text) - width} chars)"
+        lines.append(
+            f"  #{i} {st.agent_id} ({st.role}, turn {st.turn}, {st.adapter or 'base'} v{st.policy_version}) "
+            f"reward {_fmt(float(st.reward))}{f' <- read {read}' if read else ''}"
+        )
+        lines.append(f"      {text or '(empty)'}")
+        for call in st.tool_calls:
+            lines.append(f"      tool call: {str(call)[:width]}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -850,6 +880,10 @@ def main(argv: list[str] | None = None, prog: str = "teamrl show") -> int:
             file=sys.stderr,
         )
         return EXIT_PROBLEM
+    if args.print_episodes > 0:
+        newest = sorted(run.samples, key=lambda x: (x.version, x.traj.episode_id))[-args.print_episodes :]
+        for smp in newest:
+            print(episode_text(smp.traj) + "\n")
     out = Path(args.out) if args.out else run_dir / "report.html"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

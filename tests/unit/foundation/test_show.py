@@ -265,3 +265,12 @@ def test_chromium_renders_the_graphs(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000  # a blank page compresses far below this
     if target := os.environ.get("TEAMRL_SHOW_EXAMPLE_PNG"):
         shutil.copyfile(png, target)
+
+
+def test_print_shows_the_newest_episodes_as_text(tmp_path, capsys):
+    run = make_run(tmp_path / "run", files=2, per_file=3)
+    assert show.main([str(run), "--print", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("episode ") == 2 and "team reward" in out
+    assert "-lora v40)" in out  # the newest file's policy version (file k=1 holds step 80 // 2 * 1)
+    assert "<- read #0" in out  # a step that read an earlier one says so
