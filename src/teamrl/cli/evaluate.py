@@ -5,9 +5,12 @@
 Samples ``n`` episodes per held-out task on vLLM (temperature ``--temperature``) and reports, over
 tasks, avg@n (mean success over the samples) and the unbiased pass@k of Chen et al. 2021 (eq. 1):
 ``1 - C(n - c, k) / C(n, k)`` for ``c`` successes in ``n``. An episode succeeds when its trajectory
-reward is at least ``--success``. Each agent's mean step reward is reported too. Adapters are loaded
-the way rollouts load them: a probe's log-probs, computed here with transformers + PEFT, must match
-vLLM's, or the adapters are refused. Prints one JSON object.
+reward is at least ``--success``. Each agent's mean step reward is reported too, and the metrics of
+``teamrl.rollout.runner.evaluation_metrics`` (a verifier's balanced accuracy and accept rate, first-try
+accuracy of routed teams). The workflow and the model are checked first (``teamrl.rollout.team``);
+adapters are loaded the way rollouts load them: the run's probe (a held-out prompt in the model's
+tokenizer), scored here with transformers + PEFT, must match vLLM's, or the adapters are refused.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -19,9 +22,6 @@ import math
 import sys
 from pathlib import Path
 
-PROBE_PROMPT = [1, 16, 2, 3, 12, 4, 5, 13]
-PROBE_COMPLETION = [2, 4, 6, 14]
-
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``c`` successes in ``n`` samples (k <= n)."""
@@ -32,32 +32,35 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def _probe_logprobs(model: str, adapter_dir: Path) -> list[float]:
+def _probe_logprobs(model: str, adapter_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, str(adapter_dir))
-    ids = torch.tensor([PROBE_PROMPT + PROBE_COMPLETION])
+    ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         lp = torch.log_softmax(peft(ids).logits[0].float(), -1)
-    return [lp[len(PROBE_PROMPT) - 1 + j, t].item() for j, t in enumerate(PROBE_COMPLETION)]
+    return [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion)]
 
 
 async def _run(args: argparse.Namespace) -> dict:
+    from teamrl.cli.plan import PlanError, resolve_model, workflow_model_path
     from teamrl.rollout.engine import EngineConfig, RolloutEngine
-    from teamrl.rollout.runner import WorkflowRunner
+    from teamrl.rollout.runner import WorkflowRunner, answer_agents, evaluation_metrics, verifier_agents
+    from teamrl.rollout.team import plan_team
+    from teamrl.rollout.workflow import WorkflowError
 
-    model = args.model
-    if not model:
-        from teamrl.learner.modelbuild import build
-
-        model = str(build())
     ks = sorted({int(x) for x in args.k.split(",")})
     if ks[-1] > args.n:
         raise SystemExit(f"teamrl eval: k={ks[-1]} > n={args.n}")
-    eng = RolloutEngine(EngineConfig(model=model, seed=args.seed))
+    try:
+        model = str(resolve_model(args.model, workflow_model_path(args.workflow)))
+        team = plan_team(args.workflow, model, tasks_path=args.tasks)
+    except (PlanError, WorkflowError) as e:
+        raise SystemExit(f"teamrl eval: {e}") from None
+    eng = RolloutEngine(EngineConfig(model=model, seed=args.seed, max_lora_rank=team.max_lora_rank))
     runner = WorkflowRunner(args.workflow, eng, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
     await eng.start()
@@ -68,15 +71,16 @@ async def _run(args: argparse.Namespace) -> dict:
             subs = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
             if not subs:
                 raise SystemExit(f"teamrl eval: {folder} holds no PEFT adapter folder")
-            probe = next(iter(subs))
+            probe = next((a for a in team.adapters if a in subs), next(iter(subs)))
+            prompt, completion = list(team.probe_prompt), list(team.probe_completion)
             version = 1
             await eng.load_version(
                 version,
                 subs,
                 probe,
-                PROBE_PROMPT,
-                PROBE_COMPLETION,
-                _probe_logprobs(model, subs[probe]),
+                prompt,
+                completion,
+                _probe_logprobs(model, subs[probe], prompt, completion),
                 1e-3,
             )
         if args.temperature == 0.0:
@@ -110,6 +114,15 @@ async def _run(args: argparse.Namespace) -> dict:
         ) / len(per_task)
     for agent, xs in per_agent.items():
         out[f"reward/{agent}"] = sum(xs) / len(xs)
+    wf = runner.workflow
+    extra = evaluation_metrics(trajs, verifier_agents(wf), answer_agents(wf))
+    out.update(
+        {
+            k: v
+            for k, v in extra.items()
+            if k.endswith(("_balanced_accuracy", "_accept_rate", "first_try_accuracy"))
+        }
+    )
     return out
 
 
@@ -118,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="teamrl eval",
         description="Evaluate a workflow on held-out tasks with vLLM: avg@n and unbiased pass@k, per-agent rewards.",
     )
-    p.add_argument("--workflow", default="addition-duo", help="built-in workflow name or TOML file")
-    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--workflow", required=True, help="workflow name (teamrl workflow list) or TOML file")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder, 'embedded' or 'embedded-text' (default: the workflow's models.<id>.path, else embedded)",
+    )
     p.add_argument("--adapters", default=None, help="a version folder (RUN/adapters/vN) of PEFT adapters")
     p.add_argument(
         "--tasks", default=None, help="JSONL/Parquet task file (default: the workflow's held-out split)"

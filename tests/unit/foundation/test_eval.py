@@ -25,6 +25,7 @@ def test_pass_at_k_matches_hand_computed_values() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.usefixtures("embedded_model")
 def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -46,6 +47,8 @@ def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) ->
             "-m",
             "teamrl.cli.main",
             "eval",
+            "--workflow",
+            "addition-duo",
             "--adapters",
             str(tmp_path / "v1"),
             "--num-tasks",
@@ -65,3 +68,4 @@ def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) ->
     assert 0.0 <= out["pass@1"] <= out["pass@4"] <= 1.0
     assert out["avg@4"] == pytest.approx(out["pass@1"])
     assert set(k for k in out if k.startswith("reward/")) == {"reward/solver", "reward/verifier"}
+    assert 0.0 <= out["verifier_balanced_accuracy"] <= 1.0 and 0.0 <= out["verifier_accept_rate"] <= 1.0
