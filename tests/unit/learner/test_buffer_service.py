@@ -77,6 +77,10 @@ class Buffer:
         assert isinstance(self.rpc.call(BufferStatsRequest(), 5000), BufferStats)
         return self
 
+    def admin(self) -> RpcClient:
+        """A client of the operator's local admin socket (the only way to stop it without CURVE)."""
+        return RpcClient(f"ipc://{self.dir.resolve() / 'admin.sock'}", timeout_ms=3000)
+
     def stats(self) -> BufferStats:
         reply = self.rpc.call(BufferStatsRequest())
         assert isinstance(reply, BufferStats), reply
@@ -218,7 +222,9 @@ def test_sigkill_restart_keeps_acked_data_and_dedups_resends(buffer):
     assert got == sorted([f"ep-3-{i}" for i in range(1, 6)] + [f"ep-4-{i}" for i in range(16)])  # once each
     empty = buffer.rpc.call(SampleRequest(request_id=3, batch_size=1, rank=0))
     assert isinstance(empty, ErrorReply) and empty.reason == "not_enough_data"
-    assert isinstance(buffer.rpc.call(Shutdown(reason="test")), BufferStats)
+    refused = buffer.rpc.call(Shutdown(reason="an ordinary peer"))
+    assert isinstance(refused, ErrorReply) and refused.reason == "not_admin"
+    assert buffer.admin().call(Shutdown(reason="test")).type == "buffer_stats"
     assert buffer.wait() == 0
 
 

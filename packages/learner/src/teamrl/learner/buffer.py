@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import os
 import shutil
 from collections import Counter as Tally
@@ -103,6 +104,13 @@ class ReplayBufferError(Exception):
 
 class CorruptStore(ReplayBufferError):
     """The buffer folder holds a complete checkpoint whose data cannot be read back."""
+
+
+class VersionOutOfRange(ReplayBufferError):
+    """A policy version (in a frame, or a sample's ``min_policy_version``) lies more than
+    ``version_window`` above the current version: refused, counted, nothing changes."""
+
+    reason = "policy_version_out_of_range"
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +281,7 @@ class ReplayBuffer:
         group_size: int = 1,
         group_timeout_s: float = 120.0,
         max_pending_groups: int = 10_000,
+        version_window: int | None = 10_000,
     ) -> None:
         if sampler not in ("fifo", "uniform", "prioritized"):
             raise ValueError(f"sampler must be fifo, uniform or prioritized, got {sampler!r}")
@@ -291,6 +300,7 @@ class ReplayBuffer:
         self.group_size = group_size
         self.group_timeout_s = group_timeout_s
         self.max_pending_groups = max_pending_groups
+        self.version_window = version_window
         self.limiter = RateLimiter(min_size, samples_per_insert, error_buffer)
         self._rng = np.random.default_rng(seed)
         self._groups: OrderedDict[int, _Group] = OrderedDict()  # release serial -> group (fifo order)
@@ -385,14 +395,23 @@ class ReplayBuffer:
         """Admit one frame's trajectories: its decoded batches (``decode_batches``), or Python
         trajectories. ``source`` = (incarnation, seq) of the frame; a source seen before is a
         duplicate and changes nothing. ``now`` is monotonic seconds (group ages)."""
+        rows = _rows(trajectories)
+        top = max((r.versions(-1)[1] for r in rows), default=-1)
+        if top > self.version_ceiling():  # before any state changes: the frame is not recorded as seen
+            self.count_rejected(VersionOutOfRange.reason)
+            raise VersionOutOfRange(
+                f"policy version {top} is more than version_window={self.version_window} above the "
+                f"current version {self.current_version}"
+            )
         if source is not None:
             inc, seq = source
-            seen = self._seen.setdefault(inc, _SeqSet())
+            seen = self._seen.get(inc)
+            if seen is None:  # the receiver's rule: the first seq of an incarnation is its low mark
+                seen = self._seen[inc] = _SeqSet(low=seq)
             if seq in seen:
                 self.count_duplicates(1)
                 return InsertResult([], duplicate=True)
             seen.add(seq)
-        rows = _rows(trajectories)
         for r in rows:
             self.current_version = max(self.current_version, r.versions(-1)[1])
         res = InsertResult([])
@@ -409,6 +428,16 @@ class ReplayBuffer:
             res.accepted.append((item.key, r))
             self._admit(item, now)
         return res
+
+    def version_ceiling(self) -> float:
+        """The highest policy version a frame or an untrusted sample hint may carry."""
+        if self.version_window is None:
+            return math.inf
+        return max(self.current_version, 0) + self.version_window
+
+    def forget_source(self, incarnation: str) -> None:
+        """Drop the de-duplication state of a producer incarnation the receiver evicted."""
+        self._seen.pop(incarnation, None)
 
     def _too_stale(self, lag: int) -> bool:
         return self.max_policy_lag is not None and lag > self.max_policy_lag
@@ -509,11 +538,27 @@ class ReplayBuffer:
         return np.argsort(-keys, kind="stable").tolist(), probs
 
     def sample(
-        self, batch_size: int, *, rank: int = 0, agent_id: str | None = None, min_policy_version: int = -1
+        self,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        agent_id: str | None = None,
+        min_policy_version: int = -1,
+        trusted: bool = False,
     ) -> Sample | Refused:
-        """Hand out whole groups, about ``batch_size`` trajectories (see the module docstring)."""
+        """Hand out whole groups, about ``batch_size`` trajectories (see the module docstring).
+
+        An untrusted ``min_policy_version`` above ``version_ceiling()`` raises ``VersionOutOfRange``
+        (counted) before anything changes; ``trusted`` (a learner authenticated by its key) skips
+        the window, so its hint is the announcement the window is measured from."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not trusted and min_policy_version > self.version_ceiling():
+            self.count_rejected(VersionOutOfRange.reason)
+            raise VersionOutOfRange(
+                f"min_policy_version {min_policy_version} is more than version_window={self.version_window} "
+                f"above the current version {self.current_version}"
+            )
         if min_policy_version >= 0 and self.max_policy_lag is not None:
             self.current_version = max(self.current_version, min_policy_version + self.max_policy_lag)
         self._evict_stale(min_policy_version)

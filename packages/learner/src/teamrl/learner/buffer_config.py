@@ -82,6 +82,18 @@ class BufferConfig(BaseModel):
         ge=0,
         description="Trajectories whose oldest step is more than this many versions behind the learner are stale; None = never.",
     )
+    policy_version_window: int | None = Field(
+        10_000,
+        ge=1,
+        description="A frame's policy version, or an unauthenticated sample's min_policy_version, more than "
+        "this far above the buffer's current version is refused (policy_version_out_of_range) and never "
+        "stored; a learner authenticated by its CURVE key is exempt. None = no bound.",
+    )
+    admin_bind: str | None = Field(
+        None,
+        description="Operator endpoint for Drain/Shutdown/stats; None = ipc://<dir>/admin.sock (mode 0600). "
+        "Drain/Shutdown on sample_bind are refused unless they come with the CURVE admin key.",
+    )
     stale_action: Literal["drop", "downweight"] = Field(
         "drop",
         description="drop: refuse/evict stale data (counted); downweight: keep it with a smaller weight.",
@@ -166,6 +178,7 @@ class BufferConfig(BaseModel):
             "group_size": self.group_size,
             "group_timeout_s": self.group_timeout_s,
             "max_pending_groups": self.max_pending_groups,
+            "version_window": self.policy_version_window,
         }
 
 

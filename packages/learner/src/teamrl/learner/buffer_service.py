@@ -17,6 +17,15 @@ Why acks wait for a checkpoint: the (incarnation, seq) table that de-duplicates 
 the checkpoint, so a frame acked before it would come back after a crash as new data. A frame that
 fails to decode is refused at once (negative ack, counted by reason); the loop goes on.
 
+Who may do what (README, "Security"): ``Drain``/``Shutdown`` are obeyed only on the operator's
+admin socket (``admin_bind``, by default ``ipc://DIR/admin.sock``, mode 0600: local only) or from a
+peer holding the CURVE ``admin`` key; from anyone else they are refused (``not_admin``) and counted
+in ``teamrl_protocol_auth_refused_total{socket="buffer_rpc"}``. A frame's policy version, or a sample's
+``min_policy_version`` from anyone but the CURVE ``learner`` key, more than ``policy_version_window``
+above the current version is refused (``policy_version_out_of_range``), counted, and not stored.
+CURVE on the data and RPC sockets comes from the ``[transport]`` table of the same config file
+(``teamrl.protocol.config.TransportConfig``: ``curve``, ``curve_dir``).
+
 SIGTERM / SIGINT / Drain / Shutdown: final checkpoint, ack, flush, exit 0. SIGKILL: the restarted
 process loads the last complete checkpoint, restores the receiver's de-duplication table, and
 producers resend whatever was not acked.
@@ -27,14 +36,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
 from typing import Any
 
-from teamrl.learner.buffer import Refused, ReplayBuffer, SegmentStore
+from teamrl.learner.buffer import Refused, ReplayBuffer, SegmentStore, VersionOutOfRange
 from teamrl.learner.buffer_config import BufferConfig
+from teamrl.protocol import metrics as wire_metrics
 from teamrl.protocol.codec import decode_batches
+from teamrl.protocol.config import TransportConfig
 from teamrl.protocol.configfile import ConfigError as SharedConfigError
 from teamrl.protocol.configfile import load_section
 from teamrl.protocol.control import (
@@ -49,6 +61,7 @@ from teamrl.protocol.control import (
     Shutdown,
     _Message,
 )
+from teamrl.protocol.curve import role_of
 from teamrl.protocol.errors import ProtocolError
 from teamrl.protocol.transport import Frame
 from teamrl.protocol.zmq_transport import RpcServer, ZmqDataReceiver
@@ -61,6 +74,7 @@ MAX_FRAMES_PER_TURN = 64  # frames taken in before requests get a turn
 MAX_REQUESTS_PER_TURN = 16
 ACK_FLUSH_S = 0.2  # on exit, time for the last acks to leave (sockets close with LINGER 0)
 PRODUCER_TIMEOUT_S = 15.0  # a rollout silent this long (no heartbeat) counts as gone
+MAX_PRODUCERS = 4096  # Hello/Heartbeat bookkeeping kept; the oldest entry goes first past this
 
 
 class ConfigError(SharedConfigError):
@@ -70,8 +84,9 @@ class ConfigError(SharedConfigError):
 class BufferService:
     """The process around a ``ReplayBuffer``. ``BufferService(cfg).run()`` returns the exit code."""
 
-    def __init__(self, cfg: BufferConfig) -> None:
+    def __init__(self, cfg: BufferConfig, transport: TransportConfig | None = None) -> None:
         self.cfg = cfg
+        self.transport = transport or TransportConfig()
         cfg.dir.mkdir(parents=True, exist_ok=True)
         (cfg.dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
         self.store = SegmentStore(cfg.dir, fsync=cfg.fsync, keep_checkpoints=cfg.keep_checkpoints)
@@ -80,10 +95,21 @@ class BufferService:
         state, trajectories = self.store.load()
         if state is not None:
             self.buffer.load_state_dict(state, trajectories, now)
-        self.receiver = ZmqDataReceiver(cfg.bind, hwm=cfg.recv_hwm, max_msg_size=cfg.max_msg_size)
+        self.receiver = ZmqDataReceiver(
+            cfg.bind,
+            hwm=cfg.recv_hwm,
+            max_msg_size=cfg.max_msg_size,
+            curve=self.transport.server_curve("buffer_data"),
+        )
         for incarnation, seqs in self.buffer.seen().items():
             self.receiver.restore(incarnation, seqs)
-        self.rpc = RpcServer(cfg.sample_bind, self.handle)
+        self.rpc = RpcServer(
+            cfg.sample_bind, self.handle, curve=self.transport.server_curve("buffer_rpc"), name="buffer_rpc"
+        )
+        admin = cfg.admin_bind or f"ipc://{cfg.dir.resolve() / 'admin.sock'}"
+        self.admin = RpcServer(admin, self.handle_admin, name="buffer_admin")
+        if admin.startswith("ipc://"):
+            os.chmod(admin[len("ipc://") :], 0o600)
         self.waiting: list[Frame] = []  # persisted, not yet covered by a checkpoint (so not acked)
         self.first_wait = 0.0
         self.dirty = False  # state changed since the last checkpoint
@@ -104,6 +130,13 @@ class BufferService:
 
     # --- requests -----------------------------------------------------------------------------
 
+    def _remember(self, incarnation: str, entry: dict[str, Any]) -> dict[str, Any]:
+        self.producers.pop(incarnation, None)
+        self.producers[incarnation] = entry
+        while len(self.producers) > MAX_PRODUCERS:
+            del self.producers[next(iter(self.producers))]
+        return entry
+
     def handle(self, msg: _Message) -> _Message:
         if isinstance(msg, SampleRequest):
             return self._sample(msg)
@@ -111,27 +144,58 @@ class BufferService:
             return self.stats()
         if isinstance(msg, Hello):
             known = msg.incarnation in self.producers
-            self.producers[msg.incarnation] = {"service": msg.service, "last_seen": time.time(), "beats": 0}
+            self._remember(msg.incarnation, {"service": msg.service, "last_seen": time.time(), "beats": 0})
             if not known:
                 log.info("%s %s registered (%s)", msg.service, msg.incarnation, ", ".join(msg.capabilities))
             return self.stats()
         if isinstance(msg, Heartbeat):
-            entry = self.producers.setdefault(
-                msg.incarnation, {"service": "unknown", "last_seen": 0.0, "beats": 0}
+            entry = self._remember(
+                msg.incarnation,
+                self.producers.get(msg.incarnation) or {"service": "unknown", "last_seen": 0.0, "beats": 0},
             )
             entry["last_seen"] = time.time()
             entry["beats"] += 1
             return self.stats()
         if isinstance(msg, (Drain, Shutdown)):
+            if self._peer_role() == "admin":
+                return self.handle_admin(msg)
+            wire_metrics.AUTH_REFUSED.labels(socket="buffer_rpc", reason="not_admin").inc()
+            log.warning(
+                "%s refused: only the operator may stop the buffer (admin socket or admin key)", msg.type
+            )
+            return ErrorReply(reason="not_admin", message=f"{msg.type} is accepted only from the operator")
+        return ErrorReply(reason="unexpected_request", message=f"the buffer does not serve {msg.type!r}")
+
+    def handle_admin(self, msg: _Message) -> _Message:
+        """The operator's requests (admin socket, or the CURVE admin key on the RPC socket)."""
+        if isinstance(msg, (Drain, Shutdown)):
             log.info("%s requested (%s): stopping", msg.type, msg.reason or "no reason given")
             self.stop_reason = msg.type
             return self.stats()
-        return ErrorReply(reason="unexpected_request", message=f"the buffer does not serve {msg.type!r}")
+        if isinstance(msg, BufferStatsRequest):
+            return self.stats()
+        return ErrorReply(
+            reason="unexpected_request", message=f"the admin socket does not serve {msg.type!r}"
+        )
+
+    def _peer_role(self) -> str | None:
+        key = self.rpc.peer_key
+        if not key or self.transport.curve_dir is None:
+            return None
+        return role_of(self.transport.curve_dir, key)
 
     def _sample(self, req: SampleRequest) -> _Message:
-        out = self.buffer.sample(
-            req.batch_size, rank=req.rank, agent_id=req.agent_id, min_policy_version=req.min_policy_version
-        )
+        try:
+            out = self.buffer.sample(
+                req.batch_size,
+                rank=req.rank,
+                agent_id=req.agent_id,
+                min_policy_version=req.min_policy_version,
+                trusted=self._peer_role() == "learner",
+            )
+        except VersionOutOfRange as e:
+            log.warning("sample request %d refused: %s", req.request_id, e)
+            return ErrorReply(request_id=req.request_id, reason=e.reason, message=str(e))
         self.dirty = True  # evictions and version hints change state even when refused
         if isinstance(out, Refused):
             return ErrorReply(request_id=req.request_id, reason=out.reason, message=out.message)
@@ -165,7 +229,12 @@ class BufferService:
             self.buffer.count_rejected(e.reason)
             self.receiver.reject(frame, e.reason)
             return
-        res = self.buffer.insert(trajectories, source=(frame.incarnation, frame.seq), now=now)
+        try:
+            res = self.buffer.insert(trajectories, source=(frame.incarnation, frame.seq), now=now)
+        except VersionOutOfRange as e:  # counted by the buffer; refused for good, never stored
+            log.warning("refused frame %s/%d: %s", frame.incarnation, frame.seq, e)
+            self.receiver.reject(frame, e.reason)
+            return
         if res.stale:
             log.info("frame %s/%d: %d stale trajectories dropped", frame.incarnation, frame.seq, res.stale)
         self.store.append(res.accepted)
@@ -228,12 +297,18 @@ class BufferService:
             got += 1
         self.buffer.count_duplicates(self.receiver.duplicates - self._dups_seen)
         self._dups_seen = self.receiver.duplicates
+        for incarnation in self.receiver.take_evicted():
+            self.buffer.forget_source(incarnation)
+            self.producers.pop(incarnation, None)
+            self.dirty = True
 
         served = 0
         while served < MAX_REQUESTS_PER_TURN and self.stop_reason is None:
             if not self.rpc.serve_once(0 if (got or served) else POLL_MS):
                 break
             served += 1
+        while self.stop_reason is None and self.admin.serve_once(0):
+            pass
 
         now = time.monotonic()
         if self.buffer.expire_groups(now):
@@ -255,6 +330,7 @@ class BufferService:
         time.sleep(ACK_FLUSH_S)
         self.receiver.close()
         self.rpc.close()
+        self.admin.close()
         self.store.close()
         log.info(
             "buffer stopped (%s): %d held, %d inserted, %d sampled",
@@ -314,10 +390,16 @@ def load_config(args: argparse.Namespace) -> BufferConfig:
     return load_section(BufferConfig, args.config, "buffer", flags=flags, error=ConfigError)
 
 
+def load_transport(args: argparse.Namespace) -> TransportConfig:
+    """The ``[transport]`` table of ``--config`` (absent: defaults, CURVE off); ConfigError if bad."""
+    return load_section(TransportConfig, args.config, "transport", flags={}, error=ConfigError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args)
+        transport = load_transport(args)
     except ConfigError as e:
         print(f"teamrl buffer: {e}", file=sys.stderr)
         return 2
@@ -326,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
-    return BufferService(cfg).run()
+    return BufferService(cfg, transport).run()
 
 
 if __name__ == "__main__":

@@ -47,6 +47,12 @@ class TransportConfig(BaseModel):
     )
     rpc_timeout_ms: int = Field(5000, ge=1, description="RPC call deadline; PeerTimeout after it.")
     curve: bool = Field(False, description="Encrypt and authenticate every socket with CURVE.")
+    curve_dir: Path | None = Field(
+        None,
+        description="Folder of per-role keys (<role>.pub, <role>.key for buffer, learner, rollout, admin), "
+        "as written by teamrl.protocol.curve.generate_run_keys or mounted from the teamrl-curve Secret; "
+        "each server socket admits only the roles teamrl.protocol.curve.ALLOWED lists for it.",
+    )
     curve_secret_key: Path | None = Field(
         None, description="This service's secret-key certificate (zmq.auth format, *.key_secret)."
     )
@@ -68,8 +74,8 @@ class TransportConfig(BaseModel):
             raise ValueError(
                 f"window ({self.window}) must not exceed hwm ({self.hwm}): the pipe holds the window"
             )
-        if self.curve and self.curve_secret_key is None:
-            raise ValueError("curve = true needs curve_secret_key")
+        if self.curve and self.curve_secret_key is None and self.curve_dir is None:
+            raise ValueError("curve = true needs curve_dir (or curve_secret_key)")
         return self
 
     def sender_kwargs(self) -> dict[str, object]:
@@ -88,8 +94,29 @@ class TransportConfig(BaseModel):
             "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
         }
 
+    def server_curve(self, socket: str) -> CurveKeys | None:
+        """Server keys of ``socket`` (``buffer_data``, ``buffer_rpc``, ``learner_weights``) from
+        ``curve_dir``; None when CURVE is off."""
+        from teamrl.protocol.curve import server_keys
+
+        if not self.curve:
+            return None
+        if self.curve_dir is None:
+            return self.curve_keys()
+        return server_keys(self.curve_dir, socket)
+
+    def client_curve(self, role: str, socket: str) -> CurveKeys | None:
+        """Keys for ``role`` (``learner``, ``rollout``, ``admin``) dialling ``socket``; None when off."""
+        from teamrl.protocol.curve import client_keys
+
+        if not self.curve:
+            return None
+        if self.curve_dir is None:
+            return self.curve_keys()
+        return client_keys(self.curve_dir, role, socket)
+
     def curve_keys(self) -> CurveKeys | None:
-        """Load the key files; None when CURVE is off."""
+        """Load the single-pair key files (``curve_secret_key`` ...); None when CURVE is off."""
         if not self.curve:
             return None
         assert self.curve_secret_key is not None  # checked by the validator

@@ -27,10 +27,20 @@ from teamrl.protocol.schema import SCHEMA_VERSION
 
 PROTOCOL_VERSION = 1
 
+# Unpacking limits, sized to the schema below so that no message can cost more than a few MB of
+# Python objects whatever its bytes say (an empty msgpack array is 1 byte on the wire and ~56 bytes
+# as a list: 16 MB of nested empty arrays used to build 1.2 GB). Per container: the longest list
+# is ``SampleReply.weights`` (<= 65,536 = max batch_size); the largest map is a few agent ids;
+# the longest string a profile (65,536 characters, <= 4 bytes each). Per message: no schema nests
+# more than a handful of containers, so ``MAX_CONTAINERS`` caps them all and ``MAX_ITEMS`` caps
+# the elements of all of them together (measured worst case: see README, "Security").
 MAX_CONTROL_BYTES = 256 * 1024 * 1024  # a SampleReply of a large batch, or inline adapter chunks
-MAX_STR_LEN = 1024 * 1024
-MAX_ARRAY_LEN = 1_000_000
-MAX_MAP_LEN = 100_000
+MAX_STR_LEN = 256 * 1024
+MAX_ARRAY_LEN = 65_536
+MAX_MAP_LEN = 4096
+MAX_CONTAINERS = 256
+MAX_ITEMS = 4 * 65_536
+MAX_CAPABILITIES = 64
 
 Id = Annotated[str, Field(min_length=1, max_length=256)]
 NonNeg = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -48,7 +58,10 @@ class Hello(_Message):
     type: Literal["hello"] = "hello"
     service: Literal["rollout", "buffer", "learner", "orchestrator"]
     incarnation: Id  # new per process start; (incarnation, seq) de-duplicates data frames
-    capabilities: list[Annotated[str, Field(max_length=128)]] = []  # e.g. "arrow-v1", "curve"
+    capabilities: Annotated[
+        list[Annotated[str, Field(max_length=128)]], Field(max_length=MAX_CAPABILITIES)
+    ] = []
+    # e.g. "arrow-v1", "curve"
     protocol_version: int = PROTOCOL_VERSION
     schema_version: int = SCHEMA_VERSION
 
@@ -117,8 +130,10 @@ class WeightsPublished(_Message):
     adapters: dict[Id, Id]  # {agent_id: adapter_name}
     location: Annotated[InlineWeights | UriWeights, Field(discriminator="kind")]
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # of the adapter payload, checked before use
-    probe: Probe
+    probe: Probe  # computed with probe_adapter(adapters)
     base_model: str = ""
+    # adapter name -> its own probe: each adapter named here is verified too before the version is used
+    probes: dict[Id, Probe] = Field(default_factory=dict)
 
 
 class LatestWeightsRequest(_Message):
@@ -262,10 +277,36 @@ def pack_message(msg: _Message) -> bytes:
     return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
 
 
+class _Budget:
+    """Counts containers and their elements as the unpacker builds them (hooks run bottom-up, right
+    after each container), and stops the unpacking once the message exceeds the schema's size."""
+
+    def __init__(self) -> None:
+        self.containers = 0
+        self.items = 0
+
+    def _take(self, n: int) -> None:
+        self.containers += 1
+        self.items += n
+        if self.containers > MAX_CONTAINERS or self.items > MAX_ITEMS:
+            raise ValueError(
+                f"more than {MAX_CONTAINERS} containers or {MAX_ITEMS} elements: no control message is that large"
+            )
+
+    def list_hook(self, value: list) -> list:
+        self._take(len(value))
+        return value
+
+    def object_hook(self, value: dict) -> dict:
+        self._take(len(value))
+        return value
+
+
 def _unpack(data: bytes | bytearray | memoryview) -> _Message:
     size = memoryview(data).nbytes
     if size > MAX_CONTROL_BYTES:
         raise FrameTooLarge(f"control message is {size} bytes, cap is {MAX_CONTROL_BYTES}")
+    budget = _Budget()
     try:
         obj = msgpack.unpackb(
             data,
@@ -277,6 +318,8 @@ def _unpack(data: bytes | bytearray | memoryview) -> _Message:
             max_array_len=MAX_ARRAY_LEN,
             max_map_len=MAX_MAP_LEN,
             max_ext_len=0,  # no ext types on this wire
+            list_hook=budget.list_hook,
+            object_hook=budget.object_hook,
         )
     # The fault boundary for foreign msgpack: every unpacker error becomes a typed DecodeError.
     # ValueError covers ExtraData, FormatError, StackError, UnicodeDecodeError and limit overruns.

@@ -36,6 +36,20 @@ WEIGHT_ANNOUNCE_GAPS = Counter(
 )
 
 
+DEDUP_EVICTIONS = Counter(
+    "teamrl_protocol_dedup_evictions",
+    "Producer incarnations whose de-duplication state a data receiver dropped, by reason "
+    "(count: over max_incarnations; age: silent longer than incarnation_ttl_s).",
+    ["reason"],
+)
+AUTH_REFUSED = Counter(
+    "teamrl_protocol_auth_refused",
+    "Connections or requests refused by authentication or authorisation, by socket and reason "
+    "(unknown_key: CURVE key not allowed; not_admin: an operator-only request from another peer).",
+    ["socket", "reason"],
+)
+
+
 def count_rejection(reason: str) -> None:
     """Increment the rejected-frames counter for ``reason``."""
     REJECTED_FRAMES.labels(reason=reason).inc()

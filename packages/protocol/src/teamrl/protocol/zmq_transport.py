@@ -43,7 +43,7 @@ from teamrl.protocol.control import (
     pack_message,
     unpack_message,
 )
-from teamrl.protocol.errors import PeerTimeout, ProtocolError
+from teamrl.protocol.errors import FrameTooLarge, PeerTimeout, ProtocolError
 from teamrl.protocol.transport import ENVELOPE_REASON, CurveKeys, Frame
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ def _common_options(
 class _AllowList:
     """ZAP credentials provider: admit exactly the listed z85 client public keys."""
 
-    def __init__(self, keys: Iterable[bytes]) -> None:
+    def __init__(self, keys: Iterable[bytes], socket: str = "server") -> None:
         self.keys = frozenset(keys)
+        self.socket = socket
         self.denied = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -89,17 +90,20 @@ class _AllowList:
         if not ok:
             self.denied += 1
             metrics.count_rejection("auth_denied")
+            metrics.AUTH_REFUSED.labels(socket=self.socket, reason="unknown_key").inc()
         return ok
 
 
-def _secure_server(ctx: zmq.Context, sock: zmq.Socket, curve: CurveKeys | None) -> ThreadAuthenticator | None:
+def _secure_server(
+    ctx: zmq.Context, sock: zmq.Socket, curve: CurveKeys | None, name: str = "server"
+) -> ThreadAuthenticator | None:
     """Make ``sock`` a CURVE server guarded by an allow-list authenticator (fail closed)."""
     if curve is None:
         return None
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback(
-        domain=ZAP_DOMAIN.decode(), credentials_provider=_AllowList(curve.allowed_clients)
+        domain=ZAP_DOMAIN.decode(), credentials_provider=_AllowList(curve.allowed_clients, name)
     )
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     sock.zap_domain = ZAP_DOMAIN
@@ -284,8 +288,24 @@ class ZmqDataSender:
         return lost
 
 
+def _zmq_cap(max_frame_bytes: int) -> int:
+    """``ZMQ_MAXMSGSIZE`` for a receiver whose own cap is ``max_frame_bytes``: an eighth (at least
+    1 MiB) above it, so a frame between the two reaches ``recv`` and is refused *and counted*
+    (``frame_too_large``); only one beyond both is dropped by libzmq unseen."""
+    return max_frame_bytes + max(1 << 20, max_frame_bytes // 8)
+
+
 class ZmqDataReceiver:
-    """ROUTER consumer: de-duplicates by (incarnation, seq), acks only when the app says so."""
+    """ROUTER consumer: de-duplicates by (incarnation, seq), acks only when the app says so.
+
+    Bounded state (a peer choosing incarnation ids and seqs must not grow it without limit): at
+    most ``max_incarnations`` incarnations are tracked; past that, or once one has been silent for
+    ``incarnation_ttl_s``, the least recently seen one with no frame awaiting its ack is forgotten
+    (``DEDUP_EVICTIONS{reason}``; ``take_evicted()`` tells the app, which forgets it too). A frame
+    whose seq is ``max_seq_ahead`` or more above its incarnation's low watermark is refused
+    (``seq_out_of_window``): a sender holds at most its credit window un-acked, so per-incarnation
+    tracking stays O(window). A frame above ``max_msg_size`` is refused as ``frame_too_large``.
+    """
 
     def __init__(
         self,
@@ -296,32 +316,109 @@ class ZmqDataReceiver:
         heartbeat_ivl_ms: int = 1000,
         heartbeat_timeout_ms: int = 5000,
         curve: CurveKeys | None = None,
+        max_incarnations: int = 4096,
+        incarnation_ttl_s: float = 3600.0,
+        max_seq_ahead: int = 65_536,
     ) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self.max_frame_bytes = max_msg_size
+        self.max_incarnations = max_incarnations
+        self.incarnation_ttl_s = incarnation_ttl_s
+        self.max_seq_ahead = max_seq_ahead
         _common_options(
             self._sock,
             hwm=hwm,
-            max_msg_size=max_msg_size,
+            max_msg_size=_zmq_cap(max_msg_size),
             heartbeat_ivl_ms=heartbeat_ivl_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
         )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack to a vanished peer raises, we count it
-        self._auth = _secure_server(self._ctx, self._sock, curve)
+        self._auth = _secure_server(self._ctx, self._sock, curve, "data")
         self._sock.bind(bind_endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seen: dict[str, _SeqTracker] = {}  # delivered to the app (acked or not)
         self._pending: dict[str, set[int]] = {}  # delivered, not yet acked
         self._peer: dict[str, bytes] = {}  # latest connection of each incarnation
+        self._last: OrderedDict[str, float] = OrderedDict()  # incarnation -> monotonic last frame, LRU order
+        self._evicted: list[str] = []
         self.received = 0
         self.duplicates = 0
         self.rejected = 0
+        self.evictions = 0
 
     def restore(self, incarnation: str, seqs: Iterable[int]) -> None:
         """Declare seqs already durable (from the app's checkpoint) so resends are de-duplicated."""
         tracker = self._seen.setdefault(incarnation, _SeqTracker())
         for s in seqs:
             tracker.add(int(s))
+        self._last[incarnation] = time.monotonic()
+        self._last.move_to_end(incarnation)
+
+    def take_evicted(self) -> list[str]:
+        """Incarnations forgotten since the last call (the app drops its own state for them)."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def _forget(self, incarnation: str, reason: str) -> None:
+        for table in (self._seen, self._pending, self._peer, self._last):
+            table.pop(incarnation, None)  # type: ignore[attr-defined]
+        self._evicted.append(incarnation)
+        self.evictions += 1
+        metrics.DEDUP_EVICTIONS.labels(reason=reason).inc()
+
+    def _make_room(self, now: float) -> bool:
+        """Evict silent and surplus incarnations (never one with frames awaiting acks); False when
+        a new incarnation still cannot be tracked."""
+        for inc, last in list(self._last.items()):
+            if now - last < self.incarnation_ttl_s:
+                break
+            if not self._pending.get(inc):
+                self._forget(inc, "age")
+        if len(self._last) < self.max_incarnations:
+            return True
+        for inc in list(self._last):
+            if not self._pending.get(inc):
+                self._forget(inc, "count")
+                return True
+        return False
+
+    def _admit(self, frame: Frame) -> bool:
+        """Bounds checked before ``frame`` is delivered (each refusal counted by reason)."""
+        inc, now = frame.incarnation, time.monotonic()
+        tracker = self._seen.get(inc)
+        if tracker is None:
+            if inc not in self._last and not self._make_room(now):
+                metrics.count_rejection("too_many_incarnations")  # not acked: the sender resends later
+                return False
+            # A sender resends in seq order from its oldest un-acked frame, so the first seq seen of
+            # an incarnation is its low watermark (earlier ones, if any, were acked by a lost state).
+            tracker = self._seen[inc] = _SeqTracker()
+            tracker.low = frame.seq
+        elif frame.seq >= tracker.low + self.max_seq_ahead:
+            metrics.count_rejection("seq_out_of_window")
+            self._refuse(frame, "seq_out_of_window")
+            return False
+        self._last[inc] = now
+        self._last.move_to_end(inc)
+        if frame.payload.nbytes > self.max_frame_bytes:
+            metrics.count_rejection("frame_too_large")
+            log.warning(
+                "frame %s/%d refused: %d bytes, cap %d",
+                inc,
+                frame.seq,
+                frame.payload.nbytes,
+                self.max_frame_bytes,
+            )
+            tracker.add(frame.seq)  # refused for good: a resend is a duplicate, and low moves on
+            self._refuse(frame, "frame_too_large")
+            return False
+        return True
+
+    def _refuse(self, frame: Frame, reason: str) -> None:
+        self.rejected += 1
+        self._peer[frame.incarnation] = frame.peer
+        self._send_ack(frame.incarnation, [], [frame.seq], reason)
 
     def _parse(self, parts: list[zmq.Frame]) -> Frame | None:
         if len(parts) != 3:
@@ -348,7 +445,7 @@ class ZmqDataReceiver:
             if not self._sock.poll(left):
                 return None
             frame = self._parse(self._sock.recv_multipart(copy=False))
-            if frame is None:
+            if frame is None or not self._admit(frame):
                 continue
             self._peer[frame.incarnation] = frame.peer
             seen = self._seen.setdefault(frame.incarnation, _SeqTracker())
@@ -404,7 +501,9 @@ class RpcServer:
     Call sequence: ``server = RpcServer(bind, handler)``; then ``server.serve_once(timeout_ms)`` in
     the owner's loop (or ``serve_forever(stop_event)`` in a thread); ``server.close()``. Unreadable
     requests and handler exceptions are answered with an ``ErrorReply`` and counted; the server
-    keeps serving.
+    keeps serving. A request above ``max_msg_size`` is answered ``frame_too_large`` (libzmq's own
+    cap sits above it, see ``_zmq_cap``). While the handler runs, ``peer_key`` holds the z85 CURVE
+    public key the request came with (``""`` without CURVE), for authorisation by the handler.
     """
 
     def __init__(
@@ -417,18 +516,21 @@ class RpcServer:
         heartbeat_ivl_ms: int = 1000,
         heartbeat_timeout_ms: int = 5000,
         curve: CurveKeys | None = None,
+        name: str = "rpc",
     ) -> None:
         self._handler = handler
+        self.max_request_bytes = max_msg_size
+        self.peer_key = ""
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         _common_options(
             self._sock,
             hwm=hwm,
-            max_msg_size=max_msg_size,
+            max_msg_size=_zmq_cap(max_msg_size),
             heartbeat_ivl_ms=heartbeat_ivl_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
         )
-        self._auth = _secure_server(self._ctx, self._sock, curve)
+        self._auth = _secure_server(self._ctx, self._sock, curve, name)
         self._sock.bind(bind_endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.served = 0
@@ -438,13 +540,21 @@ class RpcServer:
         """Answer at most one request; False when none arrived within ``timeout_ms``."""
         if not self._sock.poll(timeout_ms):
             return False
-        parts = self._sock.recv_multipart()
+        frames = self._sock.recv_multipart(copy=False)
+        parts = [f.bytes for f in frames]
         if len(parts) != 4 or parts[1] != b"" or len(parts[2]) != 8:
             metrics.count_rejection(ENVELOPE_REASON)
             return True  # no reply: without a well-formed envelope we cannot address one
         peer, _, rid, body = parts
         request_id = struct.unpack("<Q", rid)[0]
         try:
+            self.peer_key = frames[3].get("User-Id") if self._auth is not None else ""
+        except zmq.ZMQError:
+            self.peer_key = ""
+        try:
+            if len(body) > self.max_request_bytes:
+                metrics.count_rejection("frame_too_large")
+                raise FrameTooLarge(f"request is {len(body)} bytes, cap is {self.max_request_bytes}")
             reply = self._handler(unpack_message(body))
         except ProtocolError as e:
             self.errors += 1
