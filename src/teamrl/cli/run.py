@@ -158,7 +158,10 @@ def parse_args(argv: list[str] | None, prog: str, workflow: str | None, run_dir:
     p = build_parser(prog, workflow, run_dir)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--resume", default=None)
     known, _ = pre.parse_known_args(argv)
+    if known.resume:  # the saved run says which workflow
+        _workflow_optional(p)
     if known.config:
         try:
             table = tomllib.loads(Path(known.config).read_text()).get("run", {})
@@ -172,10 +175,14 @@ def parse_args(argv: list[str] | None, prog: str, workflow: str | None, run_dir:
             )
         p.set_defaults(**{k.replace("-", "_"): v for k, v in table.items()})
         if "workflow" in table:
-            for a in p._actions:
-                if a.dest == "workflow":
-                    a.required = False
+            _workflow_optional(p)
     return p.parse_args(argv)
+
+
+def _workflow_optional(p: argparse.ArgumentParser) -> None:
+    for a in p._actions:
+        if a.dest == "workflow":
+            a.required = False
 
 
 def main(

@@ -38,6 +38,7 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     from teamrl.learner.engine import LearnerEngine, init_distributed
     from teamrl.protocol import decode_trajectories, encode_trajectories
     from teamrl.protocol.adapters import folder_payload, payload_sha256
+    from teamrl.protocol.control import Probe
     from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
     from teamrl.rollout.engine import AdapterRefused, EngineConfig, RolloutEngine
     from teamrl.rollout.runner import WorkflowRunner
@@ -75,9 +76,25 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
         folder = run_dir / "adapters" / f"v{version}"
         folders = learner.export_adapters(folder)
         sha = payload_sha256(folder_payload(folder))
-        expected = learner.completion_logprobs(probe_adapter, lcfg.probe_prompt, lcfg.probe_completion)
+        probes = {
+            a: Probe(
+                prompt_ids=lcfg.probe_prompt,
+                completion_ids=lcfg.probe_completion,
+                expected_logprobs=learner.completion_logprobs(a, lcfg.probe_prompt, lcfg.probe_completion),
+                atol=1e-3,
+            )
+            for a in lcfg.adapters
+        }
+        main = probes[probe_adapter]
         res = await eng.load_version(
-            version, folders, probe_adapter, lcfg.probe_prompt, lcfg.probe_completion, expected, 1e-3
+            version,
+            folders,
+            probe_adapter,
+            main.prompt_ids,
+            main.completion_ids,
+            main.expected_logprobs,
+            main.atol,
+            more_probes=probes,
         )
         return {**res, "sha256": sha[:12]}
 

@@ -231,10 +231,17 @@ class LearnerService:
         self.engine.export_adapters(folder)
         payload = folder_payload(folder)
         sha = payload_sha256(payload)
-        probe_adapter = self.cfg.adapters[0]
-        expected = self.engine.completion_logprobs(
-            probe_adapter, self.cfg.probe_prompt, self.cfg.probe_completion
-        )
+        probes = {  # every adapter gets its own probe: a rollout verifies each before using the version
+            a: Probe(
+                prompt_ids=list(self.cfg.probe_prompt),
+                completion_ids=list(self.cfg.probe_completion),
+                expected_logprobs=self.engine.completion_logprobs(
+                    a, self.cfg.probe_prompt, self.cfg.probe_completion
+                ),
+                atol=probe_atol(self.cfg.dtype),
+            )
+            for a in self.cfg.adapters
+        }
         if self.cfg.publish_mode == "inline" and len(payload) <= self.cfg.inline_max_bytes:
             n = self.cfg.chunk_bytes
             location: Any = InlineWeights(chunks=[payload[i : i + n] for i in range(0, len(payload), n)])
@@ -246,13 +253,9 @@ class LearnerService:
             adapters={a: a for a in self.cfg.adapters},
             location=location,
             sha256=sha,
-            probe=Probe(
-                prompt_ids=list(self.cfg.probe_prompt),
-                completion_ids=list(self.cfg.probe_completion),
-                expected_logprobs=expected,
-                atol=probe_atol(self.cfg.dtype),
-            ),
+            probe=probes[self.cfg.adapters[0]],
             base_model=self.model,
+            probes=probes,
         )
         self.publisher.publish(msg)
         dt = time.perf_counter() - t0

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,11 +244,15 @@ class RolloutEngine:
         probe_completion: Sequence[int],
         expected: Sequence[float],
         atol: float,
+        more_probes: Mapping[str, Any] | None = None,
     ) -> dict[str, float]:
         """Load every adapter of ``version``, verify the probe, then switch new requests to them.
 
-        Returns {"probe_err": max |Δ log-prob| against the learner, "base_gap": the same against
-        the base model}. Raises :class:`AdapterRefused` and leaves the current versions in use.
+        ``more_probes`` maps other adapters of the version to their own probes (objects with
+        ``prompt_ids``, ``completion_ids``, ``expected_logprobs``, ``atol``): each is verified too.
+        Returns {"probe_err": max |Δ log-prob| against the learner over every probed adapter,
+        "base_gap": the same against the base model on the main probe, "probed": adapters
+        verified}. Raises :class:`AdapterRefused` and leaves the current versions in use.
         """
         from vllm.lora.request import LoRARequest
 
@@ -279,6 +283,23 @@ class RolloutEngine:
                     f"v{version} {probe_adapter}: probe log-probs differ from the learner's by {err:.4f} "
                     f"> {atol} (base model differs by {gap:.4f}): adapter not applied as trained",
                 )
+            probed = 1
+            for name, pr in (more_probes or {}).items():
+                if name == probe_adapter:
+                    continue
+                if name not in staged:
+                    raise AdapterRefused("probe_failed", f"probe for adapter {name!r} not in the payload")
+                q = staged[name]
+                got = await self.score(
+                    pr.prompt_ids, pr.completion_ids, LoRARequest(q.name, q.lora_id, q.path)
+                )
+                e = max(abs(a - b) for a, b in zip(got, pr.expected_logprobs, strict=True))
+                if e > pr.atol:
+                    raise AdapterRefused(
+                        "probe_failed",
+                        f"v{version} {name}: probe log-probs differ from the learner's by {e:.4f} > {pr.atol}",
+                    )
+                err, probed = max(err, e), probed + 1
         except BaseException:
             for e in staged.values():
                 await self._remove(e)
@@ -289,7 +310,7 @@ class RolloutEngine:
             self._current[name] = e
         self.version = version
         self._release_old()
-        return {"probe_err": err, "base_gap": gap}
+        return {"probe_err": err, "base_gap": gap, "probed": probed}
 
     async def _remove(self, e: _Loaded) -> None:
         try:

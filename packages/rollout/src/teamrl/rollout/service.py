@@ -299,6 +299,7 @@ class RolloutService:
                 msg.probe.completion_ids,
                 msg.probe.expected_logprobs,
                 msg.probe.atol,
+                more_probes=msg.probes,
             )
         except AdapterRefused as e:
             M.ADAPTER_FAILURES.labels(e.reason).inc()
@@ -307,10 +308,12 @@ class RolloutService:
             return False
         M.ADAPTER_LOADS.inc()
         log.info(
-            "adapters v%d live (probe error %.2e, base gap %.3f)",
+            "adapters v%d live (probe error %.2e, base gap %.3f; %d of %d adapters probed)",
             msg.version,
             res["probe_err"],
             res["base_gap"],
+            res.get("probed", 1),
+            len(folders),
         )
         self._gauge_versions()
         return True
