@@ -18,6 +18,8 @@ STAMP=.venv/.teamrl-stamp
 #     Measured on Debian 12 with a fast mirror: apt-get update 3 s + install 31 s (25 packages, 113 MB).
 #   prometheus (server + promtool): tests/integration/test_prometheus_live.py and
 #     scripts/dashboard_png.py. Measured on Debian 12: install 12 s (prometheus 2.42).
+#   bubblewrap (bwrap): the namespace sandbox of the code reward and the Python tool
+#     (teamrl.rewards.sandbox; without it they fall back to the process sandbox and log a warning).
 apt_optional() {  # apt_optional PACKAGE COMMAND... (any COMMAND on PATH means it is there)
   local pkg=$1 flag cmd
   shift
@@ -86,5 +88,6 @@ PYEOF
   2>&1 | grep '^\[setup\]' || true
 apt_optional chromium chromium chromium-browser || true
 install_prometheus || true
+apt_optional bubblewrap bwrap || true
 echo "$want" > "$STAMP"
 echo "[setup] done in $(( $(date +%s) - start )) s"
