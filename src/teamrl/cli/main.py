@@ -13,14 +13,23 @@ NOT_LANDED = "teamrl {name}: not available yet: {why}"
 def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
     from pathlib import Path
 
+    kind = getattr(args, "kind", "char")
+    if kind == "text":
+        from teamrl.learner import modelbuild_text as mb
+
+        default_dir, build_fn = mb.default_text_model_dir, mb.build_text
+    else:
+        from teamrl.learner import modelbuild as mb
+
+        default_dir, build_fn = mb.default_model_dir, mb.build
     if args.model_cmd == "path":
-        from teamrl.learner.modelbuild import default_model_dir
-
-        print(default_model_dir())
+        print(default_dir())
         return 0
-    from teamrl.learner.modelbuild import build
-
-    out = build(out=Path(args.out) if args.out else None, steps=args.steps, seed=args.seed, force=args.force)
+    steps = args.steps if args.steps is not None else mb.DEFAULT_STEPS
+    if steps < 1:
+        print(f"teamrl model build: --steps must be >= 1 (got {steps})", file=sys.stderr)
+        return 2
+    out = build_fn(out=Path(args.out) if args.out else None, steps=steps, seed=args.seed, force=args.force)
     print(out)
     return 0
 
@@ -82,9 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument(
                 "model_cmd", choices=["build", "path"], help="build: make the model folder; path: print it"
             )
-            sp.add_argument("--out", help="output folder (default: $TEAMRL_CACHE/models/embedded-v1)")
             sp.add_argument(
-                "--steps", type=int, default=600, help="supervised warm-start steps (default 600)"
+                "--kind",
+                choices=["char", "text"],
+                default="char",
+                help="char: the embedded addition model (embedded-v1); text: embedded-text-v1, a small "
+                "BPE-tokenizer model for the text workflows (math-duo, math-trio, code-reflect, search-qa)",
+            )
+            sp.add_argument(
+                "--out",
+                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1, or embedded-text-v1 for --kind text)",
+            )
+            sp.add_argument(
+                "--steps",
+                type=int,
+                default=None,
+                help="supervised warm-start steps (default: 600 for char, the text build's own default for text)",
             )
             sp.add_argument("--seed", type=int, default=0)
             sp.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
