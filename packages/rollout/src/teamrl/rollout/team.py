@@ -34,7 +34,7 @@ from teamrl.rollout.workflow import Workflow, WorkflowError, _Missing, _prompt_i
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256)  # max_lora_rank values vLLM accepts (1 is too small to matter)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-HELD_OUT_SPLITS = {"addition": "addition-held-out"}
+HELD_OUT_SPLITS = {"addition": "addition-held-out", "math-word": "math-word-held-out"}
 
 
 @dataclass(frozen=True)
