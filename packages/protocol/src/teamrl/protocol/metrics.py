@@ -45,7 +45,9 @@ DEDUP_EVICTIONS = Counter(
 AUTH_REFUSED = Counter(
     "teamrl_protocol_auth_refused",
     "Connections or requests refused by authentication or authorisation, by socket and reason "
-    "(unknown_key: CURVE key not allowed; not_admin: an operator-only request from another peer).",
+    "(unknown_key: CURVE key not allowed; plaintext: a NULL-security peer at a CURVE socket; "
+    "bad_handshake: a CURVE peer without the server's key; not_admin: an operator-only request "
+    "from another peer). Sockets: buffer_data, buffer_rpc, learner_weights, learner_latest.",
     ["socket", "reason"],
 )
 

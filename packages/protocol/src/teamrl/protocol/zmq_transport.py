@@ -94,10 +94,54 @@ class _AllowList:
         return ok
 
 
+class _ServerGuard:
+    """What ``_secure_server`` installs on one server socket: the ZAP authenticator (an unknown
+    CURVE key: ``unknown_key``, counted by ``_AllowList``) and a thread reading the socket's monitor
+    for failed handshakes, which never reach ZAP: a plaintext (NULL) peer is ``plaintext``, a CURVE
+    peer that does not hold the server's public key (or sends garbage) is ``bad_handshake``. Both
+    land in ``AUTH_REFUSED{socket=name}``; a peer that keeps reconnecting is counted per attempt.
+    ``stop()`` ends both (the owner closes its socket first, then stops the guard)."""
+
+    def __init__(self, auth: ThreadAuthenticator, sock: zmq.Socket, name: str) -> None:
+        self.auth = auth
+        self.name = name
+        self.refused = {"plaintext": 0, "bad_handshake": 0}
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"teamrl-handshakes-{name}", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._monitor.poll(100):
+                    continue
+                evt = recv_monitor_message(self._monitor)
+                if evt["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                if evt["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                    continue
+                plain = evt["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                reason = "plaintext" if plain else "bad_handshake"
+                self.refused[reason] += 1
+                metrics.count_rejection("auth_denied")
+                metrics.AUTH_REFUSED.labels(socket=self.name, reason=reason).inc()
+        except zmq.ZMQError:
+            pass  # the context is going away
+        finally:
+            self._monitor.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.auth.stop()
+
+
 def _secure_server(
     ctx: zmq.Context, sock: zmq.Socket, curve: CurveKeys | None, name: str = "server"
-) -> ThreadAuthenticator | None:
-    """Make ``sock`` a CURVE server guarded by an allow-list authenticator (fail closed)."""
+) -> _ServerGuard | None:
+    """Make ``sock`` a CURVE server guarded by an allow-list authenticator (fail closed); refused
+    handshakes are counted under ``name`` (``_ServerGuard``). Call before ``bind``."""
     if curve is None:
         return None
     auth = ThreadAuthenticator(ctx)
@@ -110,7 +154,7 @@ def _secure_server(
     sock.curve_secretkey = curve.secret
     sock.curve_publickey = curve.public
     sock.curve_server = True
-    return auth
+    return _ServerGuard(auth, sock, name)
 
 
 def _secure_client(sock: zmq.Socket, curve: CurveKeys | None) -> None:
@@ -334,7 +378,7 @@ class ZmqDataReceiver:
             heartbeat_timeout_ms=heartbeat_timeout_ms,
         )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack to a vanished peer raises, we count it
-        self._auth = _secure_server(self._ctx, self._sock, curve, "data")
+        self._auth = _secure_server(self._ctx, self._sock, curve, "buffer_data")
         self._sock.bind(bind_endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seen: dict[str, _SeqTracker] = {}  # delivered to the app (acked or not)
@@ -659,14 +703,14 @@ class WeightsPublisher:
         _common_options(
             self._pub, hwm=hwm, max_msg_size=1024, heartbeat_ivl_ms=1000, heartbeat_timeout_ms=5000
         )
-        self._auth = _secure_server(self._ctx, self._pub, curve)
+        self._auth = _secure_server(self._ctx, self._pub, curve, "learner_weights")
         self._pub.bind(pub_endpoint)
         self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()
         self._latest: WeightsPublished | None = None
         self._latest_profiles: ProfilesPublished | None = None
         self._seq = 0
-        self._rpc = RpcServer(latest_endpoint, self._serve_latest, curve=curve)
+        self._rpc = RpcServer(latest_endpoint, self._serve_latest, curve=curve, name="learner_latest")
         self.latest_endpoint = self._rpc.endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._rpc.serve_forever, args=(self._stop, 50), daemon=True)
