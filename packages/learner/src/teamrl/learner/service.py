@@ -36,6 +36,7 @@ from typing import Any
 
 from teamrl.learner import metrics as M
 from teamrl.learner.config import LearnerConfig, LearnerConfigError, load_learner_config
+from teamrl.protocol.config import TransportConfig
 
 log = logging.getLogger("teamrl.learner")
 
@@ -83,6 +84,7 @@ class LearnerService:
         device: str = "cpu",
         sample_timeout_s: float = 600.0,
         tensorboard: Path | None = None,
+        transport: TransportConfig | None = None,
     ) -> None:
         from teamrl.learner.engine import LearnerEngine, init_distributed
         from teamrl.protocol.zmq_transport import RpcClient, WeightsPublisher, latest_endpoint_for
@@ -102,8 +104,17 @@ class LearnerService:
                 json.dumps({**cfg.model_dump(mode="json"), "model": self.model}, indent=1) + "\n"
             )
         self.engine = LearnerEngine(self.model, device=device, **cfg.engine_kwargs())
-        self.rpc = RpcClient(buffer, timeout_ms=10_000)
-        self.publisher = WeightsPublisher(publish, latest_endpoint_for(publish)) if self.rank == 0 else None
+        # CURVE from [transport] (None when off): the learner key to the buffer's RPC socket; the
+        # learner's own pair and the rollout/admin allow-list on its weights PUB and "latest" sockets
+        transport = transport or TransportConfig()
+        self.rpc = RpcClient(buffer, timeout_ms=10_000, curve=transport.client_curve("learner", "buffer_rpc"))
+        self.publisher = (
+            WeightsPublisher(
+                publish, latest_endpoint_for(publish), curve=transport.server_curve("learner_weights")
+            )
+            if self.rank == 0
+            else None
+        )
         self.step = 0
         self.version = 0
         self.stop_reason: str | None = None
@@ -438,10 +449,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_transport(path: str | None) -> TransportConfig:
+    """The ``[transport]`` table of ``--config`` (none: defaults, CURVE off), the same table the
+    buffer and rollouts read (``teamrl.protocol.config.TransportConfig``; README, "Security").
+    With CURVE on, the key files are read here, so a missing key fails before any model loads."""
+    from teamrl.protocol.configfile import load_section
+    from teamrl.protocol.curve import CurveKeyError
+
+    transport = load_section(TransportConfig, path, "transport", flags={}, error=LearnerConfigError)
+    try:
+        transport.client_curve("learner", "buffer_rpc")
+        transport.server_curve("learner_weights")
+    except (CurveKeyError, OSError, ValueError) as e:
+        raise LearnerConfigError(f"{path} [transport]: {e}") from None
+    return transport
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_learner_config(args.config, args.set)
+        transport = load_transport(args.config)
     except LearnerConfigError as e:
         print(f"teamrl learner: {e}", file=sys.stderr)
         return 2
@@ -463,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         device=resolve_device(args.device),
         sample_timeout_s=args.sample_timeout,
         tensorboard=Path(args.tensorboard) if args.tensorboard else None,
+        transport=transport,
     )
     return svc.run()
 
