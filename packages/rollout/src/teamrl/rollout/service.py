@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from teamrl.protocol.config import TransportConfig
 from teamrl.protocol.configfile import ConfigError, load_section
 from teamrl.rollout import metrics as M
 
@@ -104,9 +105,10 @@ class RolloutConfig(BaseModel):
 class _Sender(threading.Thread):
     """Owns the ZeroMQ DEALER: frames from a queue go out; acks come back; nothing is dropped."""
 
-    def __init__(self, endpoint: str, incarnation: str, window: int) -> None:
+    def __init__(self, endpoint: str, incarnation: str, window: int, curve: Any = None) -> None:
         super().__init__(name="teamrl-sender", daemon=True)
         self.endpoint = endpoint
+        self.curve = curve  # CurveKeys of the rollout role for the buffer's data socket, or None
         self.incarnation = incarnation
         self.window = window
         self.q: queue.Queue[bytes] = queue.Queue()
@@ -124,7 +126,7 @@ class _Sender(threading.Thread):
         past any grace period. What is not acked by the deadline is counted in ``lost``."""
         from teamrl.protocol.zmq_transport import ZmqDataSender
 
-        sender = ZmqDataSender(self.endpoint, self.incarnation, window=self.window)
+        sender = ZmqDataSender(self.endpoint, self.incarnation, window=self.window, curve=self.curve)
         acked_seen = 0
         deadline: float | None = None
         unsent = 0
@@ -226,10 +228,12 @@ class RolloutService:
         weights: str,
         metrics_port: int = 0,
         metrics_host: str = "127.0.0.1",
+        transport: TransportConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.buffer = buffer
         self.weights = weights
+        self.transport = transport or TransportConfig()  # [transport]: CURVE on every link when on
         self.incarnation = f"rollout-{uuid.uuid4().hex[:12]}"
         self.stopping = False
         self.started = False
@@ -242,7 +246,9 @@ class RolloutService:
             self.http = _Http((metrics_host, metrics_port), self)
             threading.Thread(target=self.http.serve_forever, name="teamrl-http", daemon=True).start()
         self.engine: Any = None
-        self.sender = _Sender(buffer, self.incarnation, cfg.window)
+        self.sender = _Sender(
+            buffer, self.incarnation, cfg.window, self.transport.client_curve("rollout", "buffer_data")
+        )
         self.sender.flush_timeout_s = cfg.flush_timeout_s
         self._evaluated: set[int] = set()
         self.fatal = False  # the engine died: exit non-zero so a supervisor restarts the service
@@ -348,7 +354,12 @@ class RolloutService:
         from teamrl.protocol.errors import PeerTimeout
         from teamrl.protocol.zmq_transport import WeightsSubscriber, latest_endpoint_for
 
-        sub = WeightsSubscriber(self.weights, latest_endpoint_for(self.weights), timeout_ms=1000)
+        sub = WeightsSubscriber(
+            self.weights,
+            latest_endpoint_for(self.weights),
+            timeout_ms=1000,
+            curve=self.transport.client_curve("rollout", "learner_weights"),
+        )
         try:
             try:
                 first = await asyncio.to_thread(sub.latest, 1000)
@@ -495,7 +506,7 @@ class RolloutService:
         from teamrl.protocol.zmq_transport import RpcClient, latest_endpoint_for
 
         endpoint = self.cfg.buffer_control or latest_endpoint_for(self.buffer)
-        rpc = RpcClient(endpoint, timeout_ms=2000)
+        rpc = RpcClient(endpoint, timeout_ms=2000, curve=self.transport.client_curve("rollout", "buffer_rpc"))
         hello = Hello(
             service="rollout", incarnation=self.incarnation, capabilities=["arrow-v1", self.cfg.workflow]
         )
@@ -670,10 +681,26 @@ def load_config(path: str | None, overrides: list[str]) -> RolloutConfig:
     return load_section(RolloutConfig, path, "rollout", overrides, error=RolloutConfigError)
 
 
+def load_transport(path: str | None) -> TransportConfig:
+    """The ``[transport]`` table of ``path`` (none: defaults, CURVE off), the table the buffer and
+    learner read too (README, "Security"). With CURVE on, the rollout's keys are read here, so a
+    missing key fails before the engine starts."""
+    from teamrl.protocol.curve import CurveKeyError
+
+    transport = load_section(TransportConfig, path, "transport", flags={}, error=RolloutConfigError)
+    try:
+        for socket in ("buffer_data", "buffer_rpc", "learner_weights"):
+            transport.client_curve("rollout", socket)
+    except (CurveKeyError, OSError, ValueError) as e:
+        raise RolloutConfigError(f"{path} [transport]: {e}") from None
+    return transport
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
+        transport = load_transport(args.config)
     except RolloutConfigError as e:
         print(f"teamrl rollout: {e}", file=sys.stderr)
         return 2
@@ -684,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         weights=args.weights,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        transport=transport,
     )
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(svc.main())
