@@ -44,7 +44,7 @@ import pytest
 
 from teamrl.rollout.cpus import core_shares
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "deploy" / "config" / "teamrl.toml"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 CHARS = list("0123456789+=;?SVR")
 

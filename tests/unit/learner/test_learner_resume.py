@@ -111,6 +111,7 @@ def _wait(proc: subprocess.Popen, tmp: Path, name: str, timeout: float = 300) ->
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("embedded_model")
 def test_kill_9_after_checkpoint_resumes_with_identical_losses(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     a, a_out = _spawn(tmp_path, "a", "--steps", str(K_STEPS))

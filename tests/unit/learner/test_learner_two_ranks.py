@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 WORKER = Path(__file__).with_name("two_rank_worker.py")
 

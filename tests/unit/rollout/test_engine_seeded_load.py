@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 
 def test_600_concurrent_seeded_requests_complete() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 PROMPT = [1, 16, 2, 3, 12, 4, 5, 13]  # <bos>S01+23=
 COMPLETION = [2, 4, 6, 14]  # 024;

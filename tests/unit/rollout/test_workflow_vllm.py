@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 ATOL = 1e-4
 PROBE_PROMPT = [1, 16, 2, 3, 12, 4, 5, 13]  # <bos>S01+23=
