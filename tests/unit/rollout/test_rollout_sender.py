@@ -59,3 +59,24 @@ def test_exit_sends_the_queue_and_waits_for_the_acks() -> None:
     assert not sender.is_alive()
     assert sender.lost == 0
     assert got == [b"frame-%d" % i for i in range(10)]
+
+
+def test_stop_while_the_window_is_full_and_no_buffer_exits_within_the_flush_deadline() -> None:
+    # The buffer is gone while producing: the thread waits in send() for credit that never comes.
+    # The stop event must end that wait; the exit then takes at most flush_timeout_s.
+    sender = _Sender(f"tcp://127.0.0.1:{free_port()}", "rollout-test", window=2)
+    sender.flush_timeout_s = 1.0
+    sender.start()
+    for i in range(10):
+        sender.put(b"frame-%d" % i)
+    deadline = time.monotonic() + 10
+    while sender.unacked < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sender.unacked == 2, "the window never filled"
+    time.sleep(0.3)  # now blocked in send() for the third frame
+    t0 = time.monotonic()
+    sender.stop_event.set()
+    sender.join(20)
+    assert not sender.is_alive(), "the sender did not see the stop event"
+    assert time.monotonic() - t0 < sender.flush_timeout_s + 1.0
+    assert sender.lost == 10  # 2 un-acked + 1 held + 7 never taken from the queue

@@ -55,6 +55,7 @@ ZERO_COPY_MIN = 64 * 1024  # below this a copy is cheaper than pinning the Pytho
 
 DEFAULT_MAX_MSG_SIZE = 256 * 1024 * 1024
 DEFAULT_HWM = 64
+WAIT_LOG_S = 5.0  # a sender waiting for credit says so (endpoint, for how long) this often
 
 
 def _common_options(
@@ -213,6 +214,7 @@ class ZmqDataSender:
         if not 1 <= len(raw) <= 256:
             raise ValueError(f"incarnation must be 1..256 utf-8 bytes, got {len(raw)}")
         self.incarnation = incarnation
+        self.endpoint = endpoint
         self._header_tail = raw
         self.window = window
         self.ack_timeout_s = ack_timeout_s
@@ -227,13 +229,15 @@ class ZmqDataSender:
             heartbeat_timeout_ms=heartbeat_timeout_ms,
         )
         _secure_client(self._sock, curve)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._next_seq = 0
         self._connects = 0
+        self.link_up = False
+        self._last_ack = time.monotonic()  # or construction: "no ack for N s" in the wait log
         # seq -> (payload, time last put on the wire; 0.0 = never, send it at the next pump)
         self._unacked: OrderedDict[int, tuple[bytes | memoryview, float]] = OrderedDict()
         self.sent = 0
@@ -264,6 +268,7 @@ class ZmqDataSender:
         if not isinstance(msg, Ack) or msg.incarnation != self.incarnation:
             metrics.STALE_REPLIES.inc()
             return
+        self._last_ack = time.monotonic()
         for s in msg.seqs:
             if self._unacked.pop(s, None) is not None:
                 self.acked += 1
@@ -279,7 +284,10 @@ class ZmqDataSender:
         if self._monitor in events:
             while self._monitor.poll(0):
                 evt = recv_monitor_message(self._monitor)
+                if evt["event"] == zmq.EVENT_DISCONNECTED:
+                    self.link_up = False
                 if evt["event"] == zmq.EVENT_CONNECTED:
+                    self.link_up = True
                     self._connects += 1
                     if self._connects > 1:  # a reconnect: what was in flight may be lost
                         self._mark_all_for_resend()
@@ -301,9 +309,21 @@ class ZmqDataSender:
         for seq, (payload, _) in self._unacked.items():
             self._unacked[seq] = (payload, 0.0)
 
-    def send(self, payload: bytes | memoryview) -> int:
-        while len(self._unacked) >= self.window:
-            self._pump(50)
+    def send(
+        self,
+        payload: bytes | memoryview,
+        *,
+        timeout_s: float | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> int:
+        """Queue ``payload`` as the next frame and return its seq.
+
+        While ``window`` frames are un-acked this waits for an ack, logging every ``WAIT_LOG_S``
+        which endpoint it waits for and for how long. The wait ends with ``PeerTimeout`` (the frame
+        not taken: the caller still owns it) after ``timeout_s`` or as soon as ``stop()`` is true, so
+        a producer whose receiver is gone can still stop (README, "Architecture", rollout SIGTERM)."""
+        if len(self._unacked) >= self.window:
+            self._wait_for_credit(timeout_s, stop)
         seq = self._next_seq
         self._next_seq += 1
         if not self._put(seq, payload):
@@ -311,6 +331,32 @@ class ZmqDataSender:
         self.sent += 1
         self._pump(0)
         return seq
+
+    def _wait_for_credit(self, timeout_s: float | None, stop: Callable[[], bool] | None) -> None:
+        t0 = time.monotonic()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        next_log = t0 + WAIT_LOG_S
+        while len(self._unacked) >= self.window:
+            now = time.monotonic()
+            if stop is not None and stop():
+                raise PeerTimeout(f"stopped after {now - t0:.1f} s waiting for acks from {self.endpoint}")
+            if deadline is not None and now >= deadline:
+                raise PeerTimeout(
+                    f"window of {self.window} still full after {timeout_s:.1f} s ({self.endpoint})"
+                )
+            if now >= next_log:
+                next_log = now + WAIT_LOG_S
+                log.warning(
+                    "sender %s: window full (%d un-acked), waiting %.0f s; no ack from %s for %.0f s (link %s)",
+                    self.incarnation,
+                    len(self._unacked),
+                    now - t0,
+                    self.endpoint,
+                    now - self._last_ack,
+                    "up" if self.link_up else ("down" if self._connects else "never up"),
+                )
+            left_ms = 50 if deadline is None else max(1, min(50, int((deadline - now) * 1000) + 1))
+            self._pump(left_ms)
 
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -640,6 +686,7 @@ class RpcClient:
         curve: CurveKeys | None = None,
     ) -> None:
         self.timeout_ms = timeout_ms
+        self.endpoint = endpoint
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         _common_options(

@@ -124,35 +124,45 @@ class _Sender(threading.Thread):
         The exit deadline covers the queue too: after a long cut the queue can hold hundreds of
         frames, and sending them all at the buffer's ingest rate took 88 s in the topology test,
         past any grace period. What is not acked by the deadline is counted in ``lost``."""
+        from teamrl.protocol.errors import PeerTimeout
         from teamrl.protocol.zmq_transport import ZmqDataSender
 
         sender = ZmqDataSender(self.endpoint, self.incarnation, window=self.window, curve=self.curve)
         acked_seen = 0
         deadline: float | None = None
         unsent = 0
+        held: bytes | None = None  # taken from the queue, not yet taken by the sender
         try:
             while True:
                 if self.stop_event.is_set():
                     deadline = deadline or time.monotonic() + self.flush_timeout_s
-                    if self.q.empty() or time.monotonic() >= deadline:
+                    if (held is None and self.q.empty()) or time.monotonic() >= deadline:
                         break
                     if sender.unacked >= self.window:  # send would block past the deadline
                         sender.flush(min(0.05, max(0.0, deadline - time.monotonic())))
                         continue
-                try:
-                    payload = self.q.get(timeout=0.05)
-                except queue.Empty:
-                    sender.flush(0.0)
-                else:
-                    sender.send(payload)
-                    M.FRAMES_SENT.inc()
+                if held is None:
+                    try:
+                        held = self.q.get(timeout=0.05)
+                    except queue.Empty:
+                        sender.flush(0.0)
+                if held is not None:
+                    try:
+                        # A full window waits for acks until the stop event: a buffer that is gone
+                        # must not keep the thread (and SIGTERM) waiting here for ever.
+                        sender.send(held, stop=self.stop_event.is_set)
+                    except PeerTimeout:
+                        pass  # stopping: the frame stays held, sent or counted as lost below
+                    else:
+                        held = None
+                        M.FRAMES_SENT.inc()
                 if sender._connects:
                     self.connected.set()
                 M.FRAMES_ACKED.inc(sender.acked - acked_seen)
                 acked_seen = sender.acked
                 self.unacked = sender.unacked
                 M.PUBLISH_QUEUE.set(self.q.qsize() + sender.unacked)
-            unsent = self.q.qsize()
+            unsent = self.q.qsize() + (held is not None)
             left = max(0.0, deadline - time.monotonic()) if deadline else self.flush_timeout_s
             if not sender.flush(left) or unsent:
                 log.warning(
