@@ -78,6 +78,20 @@ def _common_options(
         sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_timeout_ms)
 
 
+_REFUSAL_LOG_S = 10.0  # one log line per socket and reason at most this often (the counter counts all)
+_last_refusal_log: dict[tuple[str, str], float] = {}
+
+
+def _refused(socket: str, reason: str) -> None:
+    """Count a refused CURVE peer on ``socket`` and log it, rate-limited per (socket, reason)."""
+    metrics.count_rejection("auth_denied")
+    metrics.AUTH_REFUSED.labels(socket=socket, reason=reason).inc()
+    now = time.monotonic()
+    if now - _last_refusal_log.get((socket, reason), -_REFUSAL_LOG_S) >= _REFUSAL_LOG_S:
+        _last_refusal_log[(socket, reason)] = now
+        log.warning("CURVE: refused a peer on %s (%s)", socket, reason)
+
+
 class _AllowList:
     """ZAP credentials provider: admit exactly the listed z85 client public keys."""
 
@@ -90,8 +104,7 @@ class _AllowList:
         ok = key in self.keys
         if not ok:
             self.denied += 1
-            metrics.count_rejection("auth_denied")
-            metrics.AUTH_REFUSED.labels(socket=self.socket, reason="unknown_key").inc()
+            _refused(self.socket, "unknown_key")
         return ok
 
 
@@ -125,8 +138,7 @@ class _ServerGuard:
                 plain = evt["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
                 reason = "plaintext" if plain else "bad_handshake"
                 self.refused[reason] += 1
-                metrics.count_rejection("auth_denied")
-                metrics.AUTH_REFUSED.labels(socket=self.name, reason=reason).inc()
+                _refused(self.name, reason)
         except zmq.ZMQError:
             pass  # the context is going away
         finally:

@@ -1,0 +1,184 @@
+"""CURVE on each of the four kinds of service socket, with the keys a run gets (generate_run_keys)
+and the ``[transport]`` helpers every service uses: buffer data ingest, buffer sample RPC, learner
+weights PUB/SUB and the learner's "latest" RPC. On each, the allowed role gets through; a client
+with an unknown key, a client holding another role's key, and a plaintext (NULL) client get nothing
+through, and each refusal is counted in ``teamrl_protocol_auth_refused_total{socket, reason}``
+(README, "Security"; ``teamrl.protocol.curve.ALLOWED`` says who may dial what)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from teamrl.protocol import metrics
+from teamrl.protocol.config import TransportConfig
+from teamrl.protocol.control import BufferStats, BufferStatsRequest, Probe, UriWeights, WeightsPublished
+from teamrl.protocol.curve import generate_run_keys, public_key
+from teamrl.protocol.errors import PeerTimeout
+from teamrl.protocol.transport import CurveKeys
+from teamrl.protocol.zmq_transport import (
+    RpcClient,
+    RpcServer,
+    WeightsPublisher,
+    WeightsSubscriber,
+    ZmqDataReceiver,
+    ZmqDataSender,
+)
+
+SETTLE_S = 1.0  # time for refused handshakes (and their reconnects) to happen and be counted
+
+
+def _count(socket: str, reason: str) -> float:
+    return metrics.AUTH_REFUSED.labels(socket=socket, reason=reason)._value.get()
+
+
+def _wait_count(socket: str, reason: str, above: float, timeout_s: float = 5.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while _count(socket, reason) <= above and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _count(socket, reason)
+
+
+@pytest.fixture
+def transport(tmp_path: Path) -> TransportConfig:
+    return TransportConfig(curve=True, curve_dir=generate_run_keys(tmp_path / "curve"))
+
+
+def _stranger(transport: TransportConfig, server_role: str) -> CurveKeys:
+    """A valid CURVE keypair that is on no allow-list, holding the right server key."""
+    pub, sec = zmq.curve_keypair()
+    assert transport.curve_dir is not None
+    return CurveKeys(public=pub, secret=sec, server_public=public_key(transport.curve_dir, server_role))
+
+
+def _weights(version: int) -> WeightsPublished:
+    return WeightsPublished(
+        announce_seq=0,
+        version=version,
+        adapters={"solver": f"solver-v{version}"},
+        location=UriWeights(uri=f"file:///shared/adapters/v{version}"),
+        sha256="0" * 64,
+        probe=Probe(prompt_ids=[1, 2], completion_ids=[3], expected_logprobs=[-0.5]),
+    )
+
+
+def test_data_ingest_admits_only_rollouts(transport: TransportConfig) -> None:
+    recv = ZmqDataReceiver("tcp://127.0.0.1:0", curve=transport.server_curve("buffer_data"))
+    before = {r: _count("buffer_data", r) for r in ("unknown_key", "plaintext")}
+    intruders = [
+        ZmqDataSender(recv.endpoint, "stranger", curve=_stranger(transport, "buffer"), ack_timeout_s=30),
+        # the learner's key is real but not allowed on the data socket
+        ZmqDataSender(
+            recv.endpoint, "learner", curve=transport.client_curve("learner", "buffer_data"), ack_timeout_s=30
+        ),
+        ZmqDataSender(recv.endpoint, "plaintext", ack_timeout_s=30),
+    ]
+    rollout = ZmqDataSender(
+        recv.endpoint, "rollout", curve=transport.client_curve("rollout", "buffer_data"), ack_timeout_s=30
+    )
+    try:
+        for s in intruders:
+            s.send(b"poison")
+        rollout.send(b"good")
+        got = []
+        deadline = time.monotonic() + SETTLE_S + 2
+        while time.monotonic() < deadline:
+            for s in (*intruders, rollout):
+                s._pump(0)
+            f = recv.recv(50)
+            if f is not None:
+                got.append(f)
+                recv.ack(f)
+        assert [(f.incarnation, bytes(f.payload)) for f in got] == [("rollout", b"good")]
+        assert rollout.unacked == 0 and all(s.unacked == 1 for s in intruders)
+        assert (
+            _wait_count("buffer_data", "unknown_key", before["unknown_key"] + 1) >= before["unknown_key"] + 2
+        )
+        assert _wait_count("buffer_data", "plaintext", before["plaintext"]) >= before["plaintext"] + 1
+    finally:
+        for s in (*intruders, rollout):
+            s.close()
+        recv.close()
+
+
+def test_sample_rpc_admits_learner_rollout_admin(transport: TransportConfig) -> None:
+    server = RpcServer(
+        "tcp://127.0.0.1:0",
+        lambda msg: BufferStats(size=7),
+        curve=transport.server_curve("buffer_rpc"),
+        name="buffer_rpc",
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, args=(stop, 20), daemon=True)
+    thread.start()
+    before = {r: _count("buffer_rpc", r) for r in ("unknown_key", "plaintext")}
+    clients = [
+        RpcClient(server.endpoint, timeout_ms=5000, curve=transport.client_curve(role, "buffer_rpc"))
+        for role in ("learner", "rollout", "admin")
+    ]
+    stranger = RpcClient(server.endpoint, timeout_ms=800, curve=_stranger(transport, "buffer"))
+    plain = RpcClient(server.endpoint, timeout_ms=800)
+    try:
+        for c in clients:
+            assert c.call(BufferStatsRequest()).size == 7
+        for c in (stranger, plain):
+            with pytest.raises(PeerTimeout):
+                c.call(BufferStatsRequest())
+        assert server.served == 3
+        assert _wait_count("buffer_rpc", "unknown_key", before["unknown_key"]) >= before["unknown_key"] + 1
+        assert _wait_count("buffer_rpc", "plaintext", before["plaintext"]) >= before["plaintext"] + 1
+    finally:
+        stop.set()
+        thread.join(5)
+        for c in (*clients, stranger, plain):
+            c.close()
+        server.close()
+
+
+def test_weights_pub_and_latest_admit_only_rollouts_and_admin(transport: TransportConfig) -> None:
+    pub = WeightsPublisher(
+        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", curve=transport.server_curve("learner_weights")
+    )
+    sockets = ("learner_weights", "learner_latest")
+    before = {(s, r): _count(s, r) for s in sockets for r in ("unknown_key", "plaintext")}
+
+    def sub(curve: CurveKeys | None) -> WeightsSubscriber:
+        return WeightsSubscriber(pub.pub_endpoint, pub.latest_endpoint, curve=curve, timeout_ms=800)
+
+    rollout = sub(transport.client_curve("rollout", "learner_weights"))
+    intruders = [
+        sub(_stranger(transport, "learner")),
+        sub(transport.client_curve("buffer", "learner_weights")),  # a real key, not allowed here
+        sub(None),  # plaintext
+    ]
+    try:
+        pub.publish(_weights(1))
+        assert rollout.latest(5000).version == 1  # "latest" RPC with the rollout key
+        for s in intruders:
+            with pytest.raises(PeerTimeout):
+                s.latest()
+        time.sleep(0.3)  # the SUBs that can join have joined
+        pub.publish(_weights(2))
+        got = rollout.poll(3000)
+        assert got is not None and got.version == 2  # PUB -> SUB with the rollout key
+        assert all(s.poll(300) is None for s in intruders)  # nothing reaches the others
+        for s in sockets:
+            k = (s, "unknown_key")
+            assert _wait_count(s, "unknown_key", before[k] + 1) >= before[k] + 2, s
+            k = (s, "plaintext")
+            assert _wait_count(s, "plaintext", before[k]) >= before[k] + 1, s
+    finally:
+        for s in (rollout, *intruders):
+            s.close()
+        pub.close()
+
+
+def test_transport_off_means_no_keys(tmp_path: Path) -> None:
+    off = TransportConfig()
+    assert off.server_curve("buffer_data") is None and off.client_curve("rollout", "buffer_data") is None
+    with pytest.raises(ValueError, match="curve_dir"):
+        TransportConfig(curve=True)
