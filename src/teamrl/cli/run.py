@@ -143,6 +143,12 @@ def build_parser(
         "--tensorboard", action="store_true", help="async: learner metrics also as TensorBoard events"
     )
     p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="async: no CURVE on the services' links (plaintext on loopback); by default each run gets "
+        "its own keys in RUN/curve and every socket admits only them. Saved: --resume keeps it",
+    )
+    p.add_argument(
         "--resume",
         metavar="RUN",
         default=None,

@@ -132,6 +132,22 @@ def held_out_line(ev: dict) -> str:
     )
 
 
+def transport_table(args: argparse.Namespace, run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The ``[transport]`` table of ``RUN/config.toml``: CURVE on every link with the run's own keys
+    in ``RUN/curve`` (made on the first start, kept on ``--resume``), or nothing with ``--insecure``
+    (services then talk plaintext). README, "Security"; ``teamrl.protocol.curve``."""
+    if getattr(args, "insecure", False):
+        print("[teamrl] --insecure: services talk plaintext (no CURVE)", flush=True)
+        return {}
+    from teamrl.protocol.curve import ROLES, generate_run_keys
+
+    keys = run_dir / "curve"
+    if not all((keys / f"{r}.{ext}").is_file() for r in ROLES for ext in ("pub", "key")):
+        generate_run_keys(keys)
+    print(f"[teamrl] CURVE on every link; this run's keys are in {keys}", flush=True)
+    return {"transport": {"curve": True, "curve_dir": str(keys.resolve())}}
+
+
 def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +159,7 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
         (run_dir / "run.json").write_text(
             json.dumps({"args": vars(args), "model": plan.model, "t0": t0}, indent=1) + "\n"
         )
-    (run_dir / "config.toml").write_text(config_toml(plan.config))
+    (run_dir / "config.toml").write_text(config_toml({**plan.config, **transport_table(args, run_dir)}))
     # Fresh loopback ports every start: state lives in the run folder, not in the wiring.
     ports = {"data": free_port(), "sample": free_port(), "publish": free_port_pair()}
     ports["metrics_buffer"] = free_port()
