@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import tomllib
 import subprocess
 import sys
 import time
@@ -58,6 +59,10 @@ def test_async_run_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     assert "services stopped" in out1
     stopped_at = rows(run / "metrics.jsonl")
     assert len(stopped_at) < STEPS, "the run finished before it could be interrupted"
+    # CURVE is the default: the run's own keys, and every service reads them from [transport]
+    transport = tomllib.loads((run / "config.toml").read_text())["transport"]
+    assert transport == {"curve": True, "curve_dir": str((run / "curve").resolve())}
+    keys = {p.name: p.read_bytes() for p in (run / "curve").iterdir()}
 
     second = subprocess.run([*cli, "--resume", str(run)], capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
@@ -78,6 +83,12 @@ def test_async_run_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     stats = rows(run / "buffer" / "stats.jsonl")
     assert stats[-1]["inserted"] >= stats[-1]["sampled"] > 0
     assert stats[-1]["producers_seen"] >= 1  # the rollout said Hello (and heartbeats) to the buffer
+    # all of the above went over CURVE (data, sample RPC, Hello, weights PUB + latest): the resumed
+    # run kept its keys, and no service refused a peer
+    assert {p.name: p.read_bytes() for p in (run / "curve").iterdir()} == keys
+    assert tomllib.loads((run / "config.toml").read_text())["transport"]["curve"] is True
+    for log in (run / "logs").glob("*.log"):
+        assert "CURVE: refused" not in log.read_text(), log.name
     assert "rollout rollout-" in (run / "logs" / "buffer.log").read_text()  # "... registered"
     assert "[learner]" in (run / "config.toml").read_text()
 
