@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import signal
-import tomllib
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
