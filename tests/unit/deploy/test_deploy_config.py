@@ -120,6 +120,25 @@ def test_rollout_section_is_accepted_by_the_rollout(shipped_config: Doc) -> None
     assert cfg.replica == -1
 
 
+def test_transport_section_turns_curve_on_with_the_mounted_secret(
+    shipped_config: Doc, overlay_docs: dict[str, list[Doc]]
+) -> None:
+    """Every service reads [transport] from the same file: CURVE on, keys from the teamrl-curve
+    Secret at the path every workload mounts it (read-only)."""
+    mod = pytest.importorskip("teamrl.protocol.config")
+    transport = mod.TransportConfig.model_validate(shipped_config["transport"])
+    assert transport.curve is True and transport.curve_dir is not None
+    for docs in overlay_docs.values():
+        for name, w in _workloads(docs).items():
+            c = _container(w)
+            vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+            mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+            m = mounts[str(transport.curve_dir)]
+            assert vols[m["name"]]["secret"]["secretName"] == "teamrl-curve", name
+            assert m.get("readOnly") is True, name
+            assert _flags(c["args"])["--config"] == "/etc/teamrl/teamrl.toml", name
+
+
 def test_sections_agree_on_groups_and_drain(shipped_config: Doc, overlay_docs: dict[str, list[Doc]]) -> None:
     """Values that must match across services (each service reads only its own table)."""
     from teamrl.learner.buffer_config import load_buffer_config

@@ -89,11 +89,28 @@ def test_curve_secret_generator(tmp_path: Path) -> None:
     doc = yaml.safe_load(res.stdout)
     assert doc["kind"] == "Secret" and doc["metadata"]["name"] == "teamrl-curve"
     files = {k: base64.b64decode(v) for k, v in doc["data"].items()}
-    for role in ("buffer", "learner", "rollout"):
-        assert len(files[f"{role}.pub"]) == 40 and len(files[f"{role}.key"]) == 40  # Z85 of 32 bytes
-    allowed = files["allowed_clients"].split()
-    assert allowed == [files["rollout.pub"], files["learner.pub"]]
-    assert files["buffer.pub"] not in allowed
+    # the layout of a local run's RUN/curve (teamrl.protocol.curve.generate_run_keys), admin included
+    curve = pytest.importorskip("teamrl.protocol.curve")
+    made = curve.generate_run_keys(tmp_path / "run-curve")
+    assert set(files) == {p.name for p in made.iterdir()}
+    import zmq
+
+    for role in ("buffer", "learner", "rollout", "admin"):
+        pub, key = files[f"{role}.pub"].strip(), files[f"{role}.key"].strip()
+        assert len(pub) == 40 and len(key) == 40  # Z85 of 32 bytes
+        assert zmq.curve_public(key) == pub  # a matching pair
+    assert len({files[f"{r}.pub"] for r in ("buffer", "learner", "rollout", "admin")}) == 4
+    keep = tmp_path / "kept"
+    kept = subprocess.run(
+        [sys.executable, str(DEPLOY / "scripts" / "curve_secret.py"), "--dir", str(keep)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    data = {k: base64.b64decode(v) for k, v in yaml.safe_load(kept.stdout)["data"].items()}
+    assert {p.name: p.read_bytes() for p in keep.iterdir()} == data
+    assert (keep / "admin.key").stat().st_mode & 0o077 == 0
     exe = BIN / "kubernetes-validate"
     if exe.exists():
         path = tmp_path / "secret.yaml"
