@@ -3,18 +3,31 @@
 Each service is a ``teamrl <service> ...`` child process with its own log file in the run folder.
 They talk only over ZeroMQ on loopback, exactly as across a cluster; the supervisor never shares
 memory with them. Stopping sends SIGTERM (services drain and flush), waits, then SIGKILLs stragglers.
+
+Each service runs in its own session and process group (its vLLM engine and workers inherit it), so the
+supervisor ends whole groups: after a service exits or is killed, and before it is restarted, whatever
+is left in its group is SIGKILLed. Each service also gets SIGTERM from the kernel if the supervisor
+itself dies (``PR_SET_PDEATHSIG``, ``teamrl.protocol.children``), and a rollout's own reaper covers its
+children even when it is killed outside a supervisor (README, "Architecture").
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from teamrl.protocol.children import parent_death_preexec
+
+# In each service before exec: SIGTERM when the supervisor dies (the service drains and exits).
+_DIE_WITH_PARENT = parent_death_preexec(signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -30,8 +43,10 @@ class Service:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    group_ended: bool = False  # the group of the exited ``proc`` was SIGKILLed (once: pgids recycle)
 
     def start(self) -> None:
+        self.end_group()  # a restart: nothing of the previous incarnation may hold ports or memory
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
         fh = open(self.log, "ab")  # noqa: SIM115  (owned by the child for its lifetime)
@@ -40,8 +55,21 @@ class Service:
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=env,
+            start_new_session=True,  # its own group: the service and every child it starts
+            # Only the main thread lives as long as the supervisor: PDEATHSIG fires when the
+            # *thread* that started the child exits.
+            preexec_fn=_DIE_WITH_PARENT if threading.current_thread() is threading.main_thread() else None,
         )
+        self.group_ended = False
         fh.close()
+
+    def end_group(self) -> None:
+        """SIGKILL what is left in the group of an exited service (its engine, workers, sandboxes)."""
+        if self.proc is None or self.proc.poll() is None or self.group_ended:
+            return
+        self.group_ended = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     @property
     def alive(self) -> bool:
@@ -64,7 +92,11 @@ class Supervisor:
         return svc
 
     def dead(self) -> list[Service]:
-        return [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+        """Services that exited; what they left in their process groups is ended here."""
+        dead = [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+        for s in dead:
+            s.end_group()
+        return dead
 
     def stop(self, timeout: float = 30.0, order: list[str] | None = None) -> dict[str, int | None]:
         """SIGTERM every service (in ``order`` of name prefixes if given), wait, then SIGKILL."""
@@ -89,4 +121,5 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     s.proc.kill()
                     s.proc.wait()
+                s.end_group()
         return {s.name: (s.proc.returncode if s.proc else None) for s in self.services}

@@ -564,6 +564,9 @@ class RolloutService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
+        from teamrl.protocol.children import start_reaper
+
+        start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
         ordinal = self.cfg.replica if self.cfg.replica >= 0 else _replica_from_env()
         self.replica, self.num_replicas, self.seed_offset = ordinal or 0, self.cfg.num_replicas, ordinal or 0
         if ordinal is None:

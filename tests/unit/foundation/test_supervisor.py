@@ -1,0 +1,146 @@
+"""The supervisor ends whole process groups: a service's children die with it (SIGKILL, stop,
+restart), and a service gets SIGTERM when the supervisor itself dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from teamrl.cli.supervisor import Service, Supervisor
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, prctl")
+
+REAL_PYTHON = sys.executable
+FAKE = """\
+#!/bin/sh
+# stands in for `python -m teamrl.cli.main ARGV`: a service that starts one child (its engine)
+[ -n "$FAKE_IGNORE_TERM" ] && trap '' TERM
+sleep 600 &
+echo $! > "$FAKE_CHILD_PID.tmp" && mv "$FAKE_CHILD_PID.tmp" "$FAKE_CHILD_PID"
+while :; do wait; done
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 :].split()[0] != b"Z"  # a zombie is dead, only not yet reaped
+
+
+def _wait_for(pred, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return bool(pred())
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path, monkeypatch) -> Path:
+    exe = tmp_path / "fakepy"
+    exe.write_text(FAKE)
+    exe.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(exe))
+    return exe
+
+
+def _child(pid_file: Path) -> int:
+    assert _wait_for(pid_file.exists, 10), "the fake service did not start its child"
+    child = int(pid_file.read_text())
+    pid_file.unlink()
+    return child
+
+
+def _cleanup(sup: Supervisor) -> None:
+    for s in sup.services:
+        if s.proc is not None:
+            try:
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_killed_service_leaves_nothing_and_its_restart_gets_a_new_group(
+    tmp_path: Path, fake_python: Path
+) -> None:
+    sup = Supervisor()
+    pid_file = tmp_path / "child.pid"
+    svc = sup.start(
+        Service("rollout-0", ["rollout"], tmp_path / "r.log", env={"FAKE_CHILD_PID": str(pid_file)})
+    )
+    try:
+        child = _child(pid_file)
+        assert os.getpgid(svc.proc.pid) == svc.proc.pid and os.getpgid(child) == svc.proc.pid
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(10)
+        assert _alive(child)  # the kernel leaves the orphan running ...
+        assert [s.name for s in sup.dead()] == ["rollout-0"]
+        assert _wait_for(lambda: not _alive(child), 5)  # ... the supervisor ends it as soon as it sees it
+        svc.start()  # a restart
+        child = _child(pid_file)
+        assert os.getpgid(child) == svc.proc.pid
+        codes = sup.stop(timeout=5)
+        assert codes["rollout-0"] == -signal.SIGTERM
+        assert _wait_for(lambda: not _alive(child), 5), "the restarted service's child outlived the stop"
+    finally:
+        _cleanup(sup)
+
+
+def test_stop_ends_the_group_of_a_service_that_ignores_sigterm(tmp_path: Path, fake_python: Path) -> None:
+    sup = Supervisor()
+    pid_file = tmp_path / "child.pid"
+    env = {"FAKE_CHILD_PID": str(pid_file), "FAKE_IGNORE_TERM": "1"}
+    sup.start(Service("buffer", ["buffer"], tmp_path / "b.log", env=env))
+    try:
+        child = _child(pid_file)
+        t0 = time.monotonic()
+        codes = sup.stop(timeout=1)
+        assert codes["buffer"] == -signal.SIGKILL and time.monotonic() - t0 < 5
+        assert _wait_for(lambda: not _alive(child), 5), "the service's child outlived the stop"
+    finally:
+        _cleanup(sup)
+
+
+def test_a_service_gets_sigterm_when_the_supervisor_dies(tmp_path: Path, fake_python: Path) -> None:
+    svc_file, child_file = tmp_path / "svc.pid", tmp_path / "child.pid"
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        sys.executable = {str(fake_python)!r}
+        from teamrl.cli.supervisor import Service, Supervisor
+        s = Supervisor().start(
+            Service("learner", ["learner"], Path({str(tmp_path / "l.log")!r}),
+                    env={{"FAKE_CHILD_PID": {str(child_file)!r}}})
+        )
+        Path({str(svc_file)!r}).write_text(str(s.proc.pid))
+        time.sleep(600)
+        """
+    )
+    boss = subprocess.Popen([REAL_PYTHON, "-c", code])
+    svc = None
+    try:
+        assert _wait_for(lambda: svc_file.exists() and svc_file.read_text(), 60)
+        svc = int(svc_file.read_text())
+        _child(child_file)
+        boss.kill()
+        boss.wait(10)
+        assert _wait_for(lambda: not _alive(svc), 5), "the service outlived its supervisor"
+    finally:
+        boss.kill()
+        if svc is not None:
+            try:
+                os.killpg(svc, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
