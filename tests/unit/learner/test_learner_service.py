@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,6 +217,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         assert learner.wait(60) == 0, (logs / "learner-2.log").read_text()[-3000:]
         log2 = (logs / "learner-2.log").read_text()
         assert "resumed from" in log2 and "step 2, version 2" in log2
+        assert re.search(r"step 2 v\d+ reward", log2), "no per-step line without --tensorboard"
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert rows[-1]["step"] == 2 and rows[-1]["version"] == 3
         assert seen == sorted(seen), f"versions went backwards: {seen}"

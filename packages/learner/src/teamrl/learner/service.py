@@ -221,6 +221,12 @@ class LearnerService:
                 reply = self.rpc.call(req)
             except PeerTimeout:
                 M.SAMPLE_ERRORS.labels("timeout").inc()
+                log.warning(
+                    "no reply from the buffer at %s: waiting %.0f s for %d more trajectories",
+                    self.rpc.endpoint,
+                    time.monotonic() - t0,
+                    self.cfg.batch_size - len(got),
+                )
                 continue
             if isinstance(reply, SampleReply):
                 got.extend(decode_trajectories(reply.trajectories))
@@ -312,6 +318,7 @@ class LearnerService:
                     metrics_f.flush()
                 if self.tb is not None:
                     self.tb.scalars(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
+                if self.rank == 0:  # one line per step, with or without --tensorboard
                     log.info(
                         "step %d v%d reward %.3f (%.1f s, waited %.1f s for data)",
                         row["step"],
