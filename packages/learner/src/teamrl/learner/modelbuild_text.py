@@ -4,7 +4,7 @@ The embedded character model (``teamrl.learner.modelbuild``) spells only the add
 module builds ``embedded-text``, a second model whose tokenizer reads any text, so that math-duo,
 math-trio, code-reflect and search-qa can run on a machine without a model hub. It is a *small*
 model for running those workflows offline and for tests; real use is ``--model`` with a Hugging Face
-model folder (docs/ describe the model settings).
+model folder (docs/workflows.md: ``--model``, held-out split, LoRA targets).
 
 What the build does (deterministic for a given ``seed`` and ``steps`` on one machine):
 
@@ -335,7 +335,8 @@ def drill_lines(rng: random.Random, n: int) -> list[str]:
     return out
 
 
-def _corpus(seed: int) -> list[str]:
+@functools.lru_cache(maxsize=2)
+def _corpus(seed: int) -> tuple[str, ...]:
     """The tokenizer's training text: rendered demonstrations, bundled data and arithmetic lines."""
     from teamrl.rollout.tokenizer import ByteTokenizer
     from teamrl.rollout.workflows import data_path, humaneval_source
@@ -348,7 +349,7 @@ def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     texts.extend("\n".join(drill_lines(rng, 20)) for _ in range(200))
     texts.append('VERDICT: correct VERDICT: wrong Answer: ```python ``` <tool name="python"></tool>')
-    return texts
+    return tuple(texts)
 
 
 # ============================================================================ training
@@ -652,7 +653,7 @@ def build_text(
     tok = HFTokenizer(tmp)
     vocab = len(tok._tok)
     say(f"tokenizer: {vocab} tokens ({time.time() - t_start:.0f}s)")
-    examples = demonstrations(tok, max(400, steps * 6), seed)
+    examples = demonstrations(tok, min(4000, max(40, steps * 8)), seed)
     say(f"{len(examples)} demonstration steps ({time.time() - t_start:.0f}s)")
 
     pad_id = tok.encode(PAD, add_special=False)[0]

@@ -1,0 +1,36 @@
+"""The word-problem generator: seeded, right answers, and a held-out split that shares nothing with train."""
+
+from __future__ import annotations
+
+import pytest
+
+from teamrl.rollout.workflows import TASK_SETS, load_tasks, wordproblems
+
+
+def test_generator_is_seeded_unique_and_its_answers_are_right() -> None:
+    a, b = wordproblems.generate(300, seed=3), wordproblems.generate(300, seed=3)
+    assert a == b and a != wordproblems.generate(300, seed=4)
+    assert (
+        len({t["id"] for t in a}) == len({t["question"] for t in a}) == len({t["skeleton"] for t in a}) == 300
+    )
+    for t in a:
+        assert wordproblems.check(t), t
+        steps = t["solution"].splitlines()
+        assert 2 <= len(steps) <= 3 and len(t["plan"].splitlines()) == len(steps)
+        assert 0 < int(t["answer"]) < wordproblems.MAX_VALUE
+        assert t["question"].endswith("?")
+
+
+def test_held_out_split_is_disjoint_from_train() -> None:
+    train = load_tasks("math-word")
+    held = load_tasks("math-word-held-out")
+    assert len(train) == 5000 and len(held) == 500
+    assert {"math-word", "math-word-held-out"} <= set(TASK_SETS)
+    assert not {t["skeleton"] for t in train} & {t["skeleton"] for t in held}
+    assert not {t["question"] for t in train} & {t["question"] for t in held}
+    assert all(wordproblems.split_of(t["skeleton"]) == "held-out" for t in held)
+    # another seed draws other problems, but the split of an arithmetic skeleton never changes
+    other = wordproblems.generate(2000, seed=1)
+    assert not {t["skeleton"] for t in other} & {t["skeleton"] for t in held}
+    with pytest.raises(ValueError, match="unknown split"):
+        wordproblems.generate(3, split="test")  # type: ignore[arg-type]
