@@ -6,6 +6,7 @@ through a service it starts, depends on this fixture (usually ``pytestmark =
 pytest.mark.usefixtures("embedded_model")``), so the suite passes from an empty cache in any test order
 and no test relies on a cache left by an earlier run. The build takes a file lock: two pytest runs (or a
 test and a ``teamrl`` command) on the same cache never write the same half-built folder.
+``embedded_text_model``: the same for the embedded-text model (README, "The embedded-text model").
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ import pytest
 BUILD_LOCK_WAIT_S = 1800.0  # a build takes minutes on 2 busy cores
 
 
-@pytest.fixture(scope="session")
-def embedded_model() -> Path:
-    from teamrl.learner.modelbuild import build, default_model_dir
-
-    target = default_model_dir()
+def _locked_build(target: Path, build) -> Path:
+    """``build(target)`` under a file lock next to ``target`` (with a deadline), so concurrent test
+    runs and ``teamrl`` commands on one cache never write the same half-built folder."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.build-lock", "a") as lock:
         deadline = time.monotonic() + BUILD_LOCK_WAIT_S
@@ -38,6 +37,21 @@ def embedded_model() -> Path:
                     )
                 time.sleep(0.5)
         try:
-            return build(target)
+            return Path(build(target))
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    from teamrl.learner.modelbuild import build, default_model_dir
+
+    return _locked_build(default_model_dir(), build)
+
+
+@pytest.fixture(scope="session")
+def embedded_text_model() -> Path:
+    """The embedded-text model (``teamrl model build --kind text``), built once per session."""
+    from teamrl.learner.modelbuild_text import build_text, default_text_model_dir
+
+    return _locked_build(default_text_model_dir(), build_text)

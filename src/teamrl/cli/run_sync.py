@@ -181,7 +181,8 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
 
 def summary(first: dict[str, Any], last: dict[str, Any]) -> str:
     """``held-out reward_mean 0.39 -> 0.56; solver_accuracy ...``: every metric the evaluation has."""
-    keys = [k for k in last if k not in ("step", "time", "version") and isinstance(last[k], (int, float))]
+    skip = ("step", "time", "version", "eval_seconds")
+    keys = [k for k in last if k not in skip and isinstance(last[k], (int, float))]
     parts = [
         f"{k} {first.get(k, float('nan')):.3f} -> {last[k]:.3f}" if k in first else f"{k} {last[k]:.3f}"
         for k in keys
