@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -144,3 +146,30 @@ def test_registry_names_follow_the_exposition_format() -> None:
     assert loaded == ["teamrl.protocol.metrics"]
     assert "teamrl_protocol_rejected_frames_total" in names
     assert "teamrl_protocol_rejected_frames" not in names
+
+
+def test_promtool_accepts_every_teamrl_family() -> None:
+    """Prometheus's own linter (``promtool check metrics``: names, units, help, types) on every
+    ``teamrl_*`` family the packages define; the live run's pages are checked the same way in
+    tests/integration/test_prometheus_live.py."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("no promtool (Debian package prometheus; scripts/setup.sh installs it where apt works)")
+    from prometheus_client import REGISTRY, generate_latest
+
+    modules = {m for mods in PREFIX_MODULES.values() for m in mods}
+    _names, loaded = registry_names(
+        tuple(sorted(modules | {"teamrl.rewards.profiles", "teamrl.rewards.credit"}))
+    )
+    assert "teamrl.protocol.metrics" in loaded
+    page = generate_latest(REGISTRY).decode()
+    keep = [
+        line
+        for line in page.splitlines()
+        if (line.split()[2] if line.startswith("# ") else line).startswith("teamrl_")
+    ]
+    assert sum(line.startswith("# TYPE ") for line in keep) >= 20, keep
+    res = subprocess.run(
+        [promtool, "check", "metrics"], input="\n".join(keep) + "\n", capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
