@@ -107,7 +107,8 @@ def test_profiles_alone_needs_a_profile_interval() -> None:
 
     from teamrl.learner.config import LearnerConfig
 
+    need = {"adapters": ["planner-lora"], "probe_prompt": [1, 2], "probe_completion": [3]}  # no defaults
     with pytest.raises(ValidationError, match="trains nothing"):
-        LearnerConfig(train_weights=False)
-    cfg = LearnerConfig(train_weights=False, profile_interval=3, profile_workflow="math-duo")
+        LearnerConfig(train_weights=False, **need)
+    cfg = LearnerConfig(train_weights=False, profile_interval=3, profile_workflow="math-duo", **need)
     assert cfg.profile_interval == 3 and not cfg.train_weights
