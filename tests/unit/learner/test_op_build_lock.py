@@ -145,13 +145,20 @@ def test_a_learner_killed_during_the_build_does_not_block_the_next(tmp_path: Pat
         first.wait(10)
         assert (build / "lock").exists()
         t0 = time.monotonic()
-        second = subprocess.run(
-            [sys.executable, "-c", LEARNER], env=env, capture_output=True, text=True, timeout=600
-        )
+        out, err = tmp_path / "second.out", tmp_path / "second.err"
+        with open(out, "w") as o, open(err, "w") as e:
+            second = subprocess.Popen([sys.executable, "-c", LEARNER], env=env, stdout=o, stderr=e)
+        try:
+            rc = second.wait(900)  # a build: about a minute on 2 idle cores, far more on busy ones
+        except subprocess.TimeoutExpired:
+            second.kill()
+            raise AssertionError(
+                "the second learner did not start in 900 s:\n" + err.read_text()[-3000:]
+            ) from None
         took = time.monotonic() - t0
-        assert second.returncode == 0, second.stderr[-3000:]
-        assert "(0, 1)" in second.stdout
-        assert "took over the build lock" in second.stderr, second.stderr[-3000:]
+        assert rc == 0, err.read_text()[-3000:]
+        assert "(0, 1)" in out.read_text()
+        assert "took over the build lock" in err.read_text(), err.read_text()[-3000:]
         print(f"second learner started in {took:.0f} s after taking over the lock")
     finally:
         if first.poll() is None:

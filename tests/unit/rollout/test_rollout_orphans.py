@@ -1,9 +1,9 @@
 """A SIGKILLed rollout leaves no vLLM process behind (``VLLM::EngineCore``, ``VLLM::Worker``).
 
 The rollout is started outside any supervisor, in its own session, as a plain ``teamrl rollout``
-whose buffer and learner are absent; once its engine is up, its whole process tree is listed, the
-rollout alone is SIGKILLed, and every process of that list must be gone within seconds (its reaper,
-``teamrl.protocol.children``, ends them and then itself)."""
+whose buffer and learner are absent (it says so in its log); once its engine is up, its whole process
+tree is listed, the rollout alone is SIGKILLed, and every process of that list must be gone within
+seconds (its reaper, ``teamrl.protocol.children``, ends them and then itself)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,11 @@ def test_sigkilled_rollout_leaves_no_vllm_process(tmp_path: Path) -> None:
                 "engine not up in 240 s\n" + log.read_text(errors="replace")[-3000:]
             )
             time.sleep(0.5)
-        time.sleep(2.0)  # the reaper polls every 0.5 s
+        # no buffer: the rollout says so every few seconds, naming the endpoint
+        while "has not answered for" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline + 20, "no message about the missing buffer"
+            time.sleep(0.5)
+        time.sleep(1.0)  # the reaper polls every 0.5 s
         tree = descendants(proc.pid)
         names = {p: _name(p) for p in tree}
         assert any("VLLM" in n or "multiprocessing" in n for n in names.values()) or len(tree) >= 2, names
@@ -79,6 +83,53 @@ def test_sigkilled_rollout_leaves_no_vllm_process(tmp_path: Path) -> None:
         print(
             f"{len(tree)} processes under the rollout, all gone {time.monotonic() - t0:.1f} s after SIGKILL"
         )
+    finally:
+        for p in [proc.pid, *tree]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_sigterm_with_the_buffer_gone_exits_within_drain_plus_flush(tmp_path: Path) -> None:
+    # window 1 and nobody acking: after its first group the sender waits in send() for credit that
+    # never comes, the case that used to ignore SIGTERM until the supervisor's SIGKILL
+    drain_s, flush_s = 2.0, 3.0
+    log = tmp_path / "rollout.log"
+    argv = [sys.executable, "-m", "teamrl.cli.main", "rollout"]
+    argv += ["--buffer", f"tcp://127.0.0.1:{_port()}", "--weights", f"tcp://127.0.0.1:{_port()}"]
+    argv += ["--set", "workflow=addition-duo", "--set", "group_size=2", "--set", "groups_in_flight=1"]
+    argv += [
+        "--set",
+        "window=1",
+        "--set",
+        f"drain_timeout_s={drain_s}",
+        "--set",
+        f"flush_timeout_s={flush_s}",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while "window full" not in log.read_text(errors="replace"):  # the sender's wait message
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, (
+                "sender never blocked\n" + log.read_text(errors="replace")[-3000:]
+            )
+            time.sleep(0.5)
+        tree = descendants(proc.pid)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(120)
+        took = time.monotonic() - t0
+        text = log.read_text(errors="replace")
+        assert rc == 1, text[-3000:]  # frames were lost, and said so
+        assert "frames not acknowledged" in text
+        print(f"SIGTERM to exit: {took:.1f} s (drain {drain_s} s + flush {flush_s} s + engine close)")
+        assert took < drain_s + flush_s + 30, text[-3000:]
+        t1 = time.monotonic()
+        while any(_alive(p) for p in tree) and time.monotonic() - t1 < 15:
+            time.sleep(0.1)
+        assert not [p for p in tree if _alive(p)], "children outlived a clean stop"
     finally:
         for p in [proc.pid, *tree]:
             if _alive(p):

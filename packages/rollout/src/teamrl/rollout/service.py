@@ -521,6 +521,7 @@ class RolloutService:
             service="rollout", incarnation=self.incarnation, capabilities=["arrow-v1", self.cfg.workflow]
         )
         said_hello, beat = False, 0
+        last_answer = time.monotonic()
         try:
             while not self.stopping:
                 msg = (
@@ -540,8 +541,14 @@ class RolloutService:
                     if said_hello:
                         beat += 1
                     said_hello = True
-                except PeerTimeout:
-                    log.debug("buffer control endpoint %s did not answer %s", endpoint, msg.type)
+                    last_answer = time.monotonic()
+                except PeerTimeout:  # said every few seconds: which endpoint, for how long
+                    log.warning(
+                        "buffer control endpoint %s has not answered for %.0f s (%s)",
+                        endpoint,
+                        time.monotonic() - last_answer,
+                        msg.type,
+                    )
                 await asyncio.sleep(self.cfg.heartbeat_interval_s if said_hello else 1.0)
         finally:
             rpc.close()
