@@ -37,6 +37,9 @@ Errors: malformed inputs (shape/dtype mismatch, non-finite rewards) raise :class
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
 from torch import Tensor
 
@@ -44,9 +47,13 @@ __all__ = [
     "AlgorithmError",
     "group_index",
     "singleton_group_count",
+    "SingletonRule",
+    "Algorithm",
     "grpo_advantages",
     "agentwise_advantages",
     "trajectory_advantages",
+    "advantage_groups",
+    "outcome_advantages",
     "broadcast_to_tokens",
     "masked_whiten",
     "gae",
@@ -112,47 +119,97 @@ def group_index(*ids: Tensor) -> tuple[Tensor, int]:
 
 
 def singleton_group_count(*ids: Tensor) -> int:
-    """Number of groups with exactly one row (they get Â = R/(1+ε): no baseline). For a metric."""
+    """Number of groups with exactly one row: no within-group baseline exists for them (a metric)."""
     inverse, n_groups = group_index(*ids)
     if n_groups == 0:
         return 0
     return int((torch.bincount(inverse, minlength=n_groups) == 1).sum())
 
 
-def _normalise_in_groups(
-    values: Tensor, inverse: Tensor, n_groups: int, eps: float, scale: bool, unbiased: bool
-) -> Tensor:
-    """(x − mean_g) / (std_g + eps) per group; singleton groups use mean 0, std 1 (verl)."""
+SingletonRule = Literal["batch", "zero", "raw"]
+"""What a row alone in its group gets (docs/algorithms.md, "Singleton groups"):
+
+* ``batch``: normalised against the first *fallback* grouping in which its group has >= 2 rows (for
+  Dr. MAS: all rows of the same agent in the batch; for GRPO: the whole batch); 0 when none has.
+* ``zero``: advantage 0 (the row carries no learning signal).
+* ``raw``: verl's rule, mean 0 and std 1, i.e. R/(1+ε): the unnormalised reward (reference parity only).
+"""
+
+
+def _group_stats(
+    values: Tensor, inverse: Tensor, n_groups: int, unbiased: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-group (count, mean, std) [G]; std is the sample std (N−1) when ``unbiased``, 0 for one row."""
     counts = torch.bincount(inverse, minlength=n_groups).to(values.dtype)
     sums = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
-    mean = sums / counts
-    single = counts == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    centred = values - mean[inverse]
-    if not scale:
-        return centred
-    sq = torch.zeros_like(sums).index_add_(0, inverse, (values - (sums / counts)[inverse]) ** 2)
+    mean = sums / counts.clamp(min=1.0)
+    sq = torch.zeros_like(sums).index_add_(0, inverse, (values - mean[inverse]) ** 2)
     denom = (counts - 1.0) if unbiased else counts
     std = torch.sqrt(sq / denom.clamp(min=1.0))
-    std = torch.where(single, torch.ones_like(std), std)
-    return centred / (std[inverse] + eps)
+    return counts, mean, std
+
+
+def _normalise_in_groups(
+    values: Tensor,
+    inverse: Tensor,
+    n_groups: int,
+    eps: float,
+    scale: bool,
+    unbiased: bool,
+    singleton: SingletonRule = "raw",
+    fallbacks: Sequence[tuple[Tensor, int]] = (),
+) -> Tensor:
+    """(x − mean_g) / (std_g + eps) per group; a one-row group follows ``singleton`` (see SingletonRule).
+
+    ``fallbacks``: coarser (inverse, n_groups) groupings tried in order for singleton rows (``batch``).
+    """
+    if singleton not in ("batch", "zero", "raw"):
+        raise AlgorithmError(f"unknown singleton rule {singleton!r}; expected 'batch', 'zero' or 'raw'")
+    counts, mean, std = _group_stats(values, inverse, n_groups, unbiased)
+    single = counts[inverse] == 1
+    if singleton == "raw":  # verl: mean 0, std 1
+        mean = torch.where(counts == 1, torch.zeros_like(mean), mean)
+        std = torch.where(counts == 1, torch.ones_like(std), std)
+    centred = values - mean[inverse]
+    out = centred / (std[inverse] + eps) if scale else centred
+    if singleton == "raw" or not bool(single.any()):
+        return out
+    out = torch.where(single, torch.zeros_like(out), out)
+    if singleton == "zero":
+        return out
+    pending = single
+    for f_inv, f_n in fallbacks:
+        f_counts, f_mean, f_std = _group_stats(values, f_inv, f_n, unbiased)
+        use = pending & (f_counts[f_inv] >= 2)
+        f_centred = values - f_mean[f_inv]
+        f_out = f_centred / (f_std[f_inv] + eps) if scale else f_centred
+        out = torch.where(use, f_out, out)
+        pending = pending & ~use
+    return out
 
 
 def grpo_advantages(
-    rewards: Tensor, group_ids: Tensor, eps: float = 1e-6, scale: bool = True, unbiased: bool = True
+    rewards: Tensor,
+    group_ids: Tensor,
+    eps: float = 1e-6,
+    scale: bool = True,
+    unbiased: bool = True,
+    singleton: SingletonRule = "raw",
 ) -> Tensor:
     """GRPO outcome advantage (DeepSeekMath §4.1.2; Dr. GRPO when ``scale=False``).
 
     Shapes: rewards [B] float (one scalar score per row), group_ids [B] int; returns [B].
     Â_i = (R_i − mean_g R) / (std_g R + eps), the group g being all rows with the same id (the G
-    samples of one prompt). All rewards equal gives 0; a single-row group gives R/(1+eps).
+    samples of one prompt). All rewards equal gives 0. A single-row group: ``raw`` (the default here,
+    verl parity) gives R/(1+eps); ``batch`` normalises it against the whole batch; ``zero`` gives 0.
     """
     _check_1d_float("rewards", rewards)
     _check_ids("group_ids", group_ids, rewards.shape[0])
     if eps < 0:
         raise AlgorithmError(f"eps must be >= 0, got {eps}")
     inverse, n_groups = group_index(group_ids)
-    return _normalise_in_groups(rewards, inverse, n_groups, eps, scale, unbiased)
+    batch = (torch.zeros_like(inverse), 1)
+    return _normalise_in_groups(rewards, inverse, n_groups, eps, scale, unbiased, singleton, [batch])
 
 
 def agentwise_advantages(
@@ -162,20 +219,36 @@ def agentwise_advantages(
     eps: float = 1e-6,
     scale: bool = True,
     unbiased: bool = True,
+    singleton: SingletonRule = "batch",
+    turn_ids: Tensor | None = None,
 ) -> Tensor:
     """Dr. MAS agent-wise advantage: normalise each agent by its own reward statistics in the group.
 
-    Shapes: rewards [B], group_ids [B] int, agent_ids [B] int; returns [B].
+    Shapes: rewards [B], group_ids [B] int, agent_ids [B] int, turn_ids [B] int or None; returns [B].
     Each row is one agent turn; rows are grouped by (group id, agent id) (DrMAS
     ``group_index = f"{uid}_{agent_id}"``), then normalised as in :func:`grpo_advantages`.
     Turns of one trajectory by the same agent all enter its group and are counted as independent
     samples (the paper's choice; they are correlated).
+
+    ``turn_ids`` given: AT-GRPO (PettingLLMs) grouping by (group, agent, turn) instead; a singleton
+    (group, agent, turn) falls back to (group, agent) before the agent's batch rows.
+
+    Singleton (group, agent) pairs (an agent that acted once in the group, e.g. a routed reviewer):
+    ``batch`` (default) normalises the row against *all* rows of the same agent in the batch (the
+    agent's batch-level baseline, never another agent's rewards), 0 if the agent has one row in the
+    batch; ``zero`` gives 0; ``raw`` is verl's R/(1+eps).
     """
     _check_1d_float("rewards", rewards)
     _check_ids("group_ids", group_ids, rewards.shape[0])
     _check_ids("agent_ids", agent_ids, rewards.shape[0])
-    inverse, n_groups = group_index(group_ids, agent_ids)
-    return _normalise_in_groups(rewards, inverse, n_groups, eps, scale, unbiased)
+    fallbacks = [group_index(agent_ids)]
+    if turn_ids is None:
+        inverse, n_groups = group_index(group_ids, agent_ids)
+    else:
+        _check_ids("turn_ids", turn_ids, rewards.shape[0])
+        inverse, n_groups = group_index(group_ids, agent_ids, turn_ids)
+        fallbacks.insert(0, group_index(group_ids, agent_ids))
+    return _normalise_in_groups(rewards, inverse, n_groups, eps, scale, unbiased, singleton, fallbacks)
 
 
 def trajectory_advantages(
@@ -185,13 +258,14 @@ def trajectory_advantages(
     eps: float = 1e-6,
     scale: bool = True,
     unbiased: bool = True,
+    singleton: SingletonRule = "raw",
 ) -> Tensor:
     """Global (not agent-wise) group advantage as DrMAS computes it with ``group_by_agent_id=False``.
 
     Shapes: rewards [B], group_ids [B] int, traj_ids [B] int; returns [B].
     The rows of each trajectory (all agents' turns) are first averaged to one value; those values are
     normalised within the prompt group; every row of a trajectory gets its trajectory's advantage.
-    Raises if one trajectory id appears under two group ids.
+    A group of one trajectory follows ``singleton`` with the batch's trajectories as fallback.
     """
     _check_1d_float("rewards", rewards)
     _check_ids("group_ids", group_ids, rewards.shape[0])
@@ -205,8 +279,56 @@ def trajectory_advantages(
     traj_group = torch.zeros(n_traj, dtype=torch.int64, device=rewards.device)
     traj_group[traj_inv] = group_ids.to(torch.int64)
     group_inv, n_groups = group_index(traj_group)
-    traj_adv = _normalise_in_groups(traj_mean, group_inv, n_groups, eps, scale, unbiased)
+    batch = (torch.zeros_like(group_inv), 1)
+    traj_adv = _normalise_in_groups(traj_mean, group_inv, n_groups, eps, scale, unbiased, singleton, [batch])
     return traj_adv[traj_inv]
+
+
+Algorithm = Literal["grpo", "dr_grpo", "drmas", "at_grpo", "grpo_trajectory"]
+
+
+def advantage_groups(
+    algorithm: Algorithm, group_ids: Tensor, agent_ids: Tensor, traj_ids: Tensor, turn_ids: Tensor
+) -> tuple[Tensor, ...]:
+    """The id columns whose equal values form one baseline group under ``algorithm`` (for metrics)."""
+    if algorithm in ("grpo", "dr_grpo"):
+        return (group_ids,)
+    if algorithm == "drmas":
+        return (group_ids, agent_ids)
+    if algorithm == "at_grpo":
+        return (group_ids, agent_ids, turn_ids)
+    if algorithm == "grpo_trajectory":
+        return (group_ids,)  # one value per trajectory enters the group
+    raise AlgorithmError(
+        f"unknown algorithm {algorithm!r}; expected grpo, dr_grpo, drmas, at_grpo or grpo_trajectory"
+    )
+
+
+def outcome_advantages(
+    algorithm: Algorithm,
+    rewards: Tensor,
+    group_ids: Tensor,
+    agent_ids: Tensor,
+    traj_ids: Tensor,
+    turn_ids: Tensor,
+    singleton: SingletonRule = "batch",
+    eps: float = 1e-6,
+) -> Tensor:
+    """One outcome advantage per row [B] under the config's ``algorithm`` (docs/algorithms.md §1).
+
+    grpo: (group) normalised; dr_grpo: (group) centred, unscaled; drmas: (group, agent) normalised;
+    at_grpo: (group, agent, turn) normalised; grpo_trajectory: trajectory means normalised per group.
+    """
+    advantage_groups(algorithm, group_ids, agent_ids, traj_ids, turn_ids)  # validates the name
+    if algorithm == "drmas":
+        return agentwise_advantages(rewards, group_ids, agent_ids, eps, singleton=singleton)
+    if algorithm == "at_grpo":
+        return agentwise_advantages(
+            rewards, group_ids, agent_ids, eps, singleton=singleton, turn_ids=turn_ids
+        )
+    if algorithm == "grpo_trajectory":
+        return trajectory_advantages(rewards, group_ids, traj_ids, eps, singleton=singleton)
+    return grpo_advantages(rewards, group_ids, eps, scale=algorithm == "grpo", singleton=singleton)
 
 
 def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
@@ -250,21 +372,26 @@ def gae(
     rewards: Tensor,
     values: Tensor,
     mask: Tensor,
-    gamma: float,
+    gamma: float | Tensor,
     lam: float,
     last_value: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over one response per row (GAE Eq. 16; verl masked loop).
+    """Generalised advantage estimation over one sequence per row (GAE Eq. 16; verl masked loop).
 
-    Shapes: rewards, values, mask [B, L] (reward on the last valid token); last_value [B] or None
-    (V past the response, 0 by default). Returns (advantages [B, L], returns [B, L]), both 0 where
-    mask is 0. δ_t = r_t + γV_{t+1} − V_t, Â_t = δ_t + γλÂ_{t+1}, G_t = Â_t + V_t; positions with
-    m_t = 0 carry the next value and the running Â through unchanged.
+    Shapes: rewards, values, mask [B, L] (reward on the last valid token); ``gamma`` a float or a
+    per-position discount [B, L] (γ_t: the discount from position t to the next valid one, 0 to stop
+    the bootstrap there); last_value [B] or None (V past the sequence, 0 by default). Returns
+    (advantages [B, L], returns [B, L]), both 0 where mask is 0.
+    δ_t = r_t + γ_t V_{t+1} − V_t, Â_t = δ_t + γ_t λ Â_{t+1}, G_t = Â_t + V_t, where t+1 is the next
+    position with m = 1: positions with m_t = 0 carry the next value and the running Â unchanged.
+    This one recursion is also the action-level and token-level MARFT GAE (:func:`action_gae`,
+    :func:`token_gae`), which lay their macro-actions / tokens out as one sequence per row.
     """
     _check_same_shape(rewards=rewards, values=values, mask=mask)
     if rewards.dim() != 2:
         raise AlgorithmError(f"gae expects [B, L] tensors, got {tuple(rewards.shape)}")
-    m = mask.to(values.dtype)
+    g = torch.as_tensor(gamma, dtype=values.dtype, device=values.device).expand_as(values)
+    keep = mask.bool()
     b, length = rewards.shape
     next_value = (
         torch.zeros(b, dtype=values.dtype, device=values.device) if last_value is None else last_value
@@ -272,13 +399,13 @@ def gae(
     running = torch.zeros_like(next_value)
     adv = torch.zeros_like(values)
     for t in reversed(range(length)):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        new_running = delta + gamma * lam * running
-        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
-        running = new_running * m[:, t] + (1 - m[:, t]) * running
+        delta = rewards[:, t] + g[:, t] * next_value - values[:, t]
+        new_running = delta + g[:, t] * lam * running
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        running = torch.where(keep[:, t], new_running, running)
         adv[:, t] = running
-    adv = adv * m
-    return adv, (adv + values) * m
+    adv = torch.where(keep, adv, torch.zeros_like(adv))
+    return adv, torch.where(keep, adv + values, torch.zeros_like(adv))
 
 
 def action_gae(
@@ -293,6 +420,8 @@ def action_gae(
     Returns (advantages [T, B, N], returns [T, B, N]), zeroed on dead steps.
       i < n: δⁱ_t = rⁱ_t + γ·V^{i+1}_t·m^{i+1}_t − Vⁱ_t,   Âⁱ_t = δⁱ_t + γλ·m^{i+1}_t·Â^{i+1}_t
       i = n: δⁿ_t = rⁿ_t + γ·V¹_{t+1}·m¹_{t+1} − Vⁿ_t,     Âⁿ_t = δⁿ_t + γλ·m¹_{t+1}·Â¹_{t+1}
+    Computed by :func:`gae` over the T·N macro-actions of each row in (t, i) order, with the
+    per-position discount γ·m(next macro-action).
     """
     if rewards.dim() != 3:
         raise AlgorithmError(f"rewards must be [T, B, N], got {tuple(rewards.shape)}")
@@ -302,22 +431,21 @@ def action_gae(
             f"values and masks must be [T+1, B, N] = {(t_len + 1, b, n)}, got {tuple(values.shape)}, {tuple(masks.shape)}"
         )
     m = masks.to(values.dtype)
-    adv = torch.zeros_like(rewards, dtype=values.dtype)
-    next_adv = torch.zeros(b, dtype=values.dtype, device=values.device)
-    for t in reversed(range(t_len)):
-        for i in reversed(range(n)):
-            if i < n - 1:
-                next_v, next_m = values[t, :, i + 1], m[t, :, i + 1]
-            else:
-                next_v, next_m = values[t + 1, :, 0], m[t + 1, :, 0]
-                if t == t_len - 1:
-                    next_adv = torch.zeros_like(next_adv)
-            delta = rewards[t, :, i] + gamma * next_v * next_m - values[t, :, i]
-            next_adv = delta + gamma * lam * next_m * next_adv
-            adv[t, :, i] = next_adv
-    alive = m[:t_len]
-    adv = adv * alive
-    return adv, (adv + values[:t_len]) * alive
+    # the mask of each macro-action's successor: agent i+1 of step t, or agent 1 of step t+1
+    next_m = torch.cat([m[:t_len, :, 1:], m[1:, :, :1]], dim=2)  # [T, B, N]
+
+    def flat(x: Tensor) -> Tensor:  # [T, B, N] -> [B, T·N] in (t, i) order
+        return x.permute(1, 0, 2).reshape(b, t_len * n)
+
+    adv, ret = gae(
+        flat(rewards.to(values.dtype)),
+        flat(values[:t_len]),
+        flat(m[:t_len]),
+        flat(gamma * next_m),
+        lam,
+        last_value=values[t_len, :, 0],
+    )
+    return adv.reshape(b, t_len, n).permute(1, 0, 2), ret.reshape(b, t_len, n).permute(1, 0, 2)
 
 
 def token_gae(
@@ -341,7 +469,8 @@ def token_gae(
       j = K−1, i < n:   δ = rⁱ_t + γ·m·V_{t,i+1,0} − V_{t,i,K−1},  Â_j = δ + γλ·m·Â_{t,i+1,0}
       j = K−1, i = n:   the same with V_{t+1,1,0}·m_{t+1} (``next_value`` on the last step).
     ``token_gamma`` defaults to ``gamma`` (MARFT); 1.0 makes the token MDP match the action MDP.
-    A live action with no valid token raises.
+    A live action with no valid token raises. Computed by :func:`gae` over the tokens of each row
+    in (t, i, j) order, with discount γ_tok inside an action and γ·m at its last token.
     """
     if values.dim() != 4:
         raise AlgorithmError(f"values must be [T, B, N, L], got {tuple(values.shape)}")
@@ -363,31 +492,23 @@ def token_gae(
     empty_live = (k_len == 0) & (m[:t_len] > 0)
     if empty_live.any():
         raise AlgorithmError(f"{int(empty_live.sum())} live actions have no valid token")
+    valid = (pos < k_len[..., None]) & (m[:t_len, ..., None] > 0)  # [T, B, N, L]
+    is_last = pos == (k_len - 1)[..., None]
+    next_m = torch.cat([m[:t_len, :, 1:], m[1:, :, :1]], dim=2)  # successor action alive
+    disc = torch.where(is_last, gamma * next_m[..., None], torch.full_like(values, g_tok))
+    tok_rewards = torch.where(is_last, rewards[..., None].to(values.dtype), torch.zeros_like(values))
 
-    adv = torch.zeros_like(values)
-    # boundary carried from the following macro-action: its first-token value and first-token Â
-    nxt_v0 = next_value.to(values.dtype)
-    nxt_a0 = torch.zeros(b, dtype=values.dtype, device=values.device)
-    for t in reversed(range(t_len)):
-        for i in reversed(range(n)):
-            bm = m[t, :, i + 1] if i < n - 1 else m[t + 1, :, 0]
-            last = k_len[t, :, i] - 1  # [B]
-            run = torch.zeros(b, dtype=values.dtype, device=values.device)
-            for j in reversed(range(length)):
-                v_j = values[t, :, i, j]
-                v_next = values[t, :, i, j + 1] if j + 1 < length else torch.zeros_like(v_j)
-                is_last = last == j
-                inside = j < last
-                d_last = rewards[t, :, i] + gamma * bm * nxt_v0 - v_j
-                a_last = d_last + gamma * lam * bm * nxt_a0
-                a_inside = (g_tok * v_next - v_j) + g_tok * lam * run
-                run = torch.where(is_last, a_last, torch.where(inside, a_inside, torch.zeros_like(run)))
-                adv[t, :, i, j] = run
-            nxt_v0 = values[t, :, i, 0]
-            nxt_a0 = adv[t, :, i, 0]
-    valid = (pos < k_len[..., None]).to(values.dtype) * m[:t_len, ..., None]
-    adv = adv * valid
-    return adv, (adv + values) * valid
+    def flat(x: Tensor) -> Tensor:  # [T, B, N, L] -> [B, T·N·L] in (t, i, j) order
+        return x.permute(1, 0, 2, 3).reshape(b, t_len * n * length)
+
+    adv, ret = gae(
+        flat(tok_rewards), flat(values), flat(valid), flat(disc), lam, last_value=next_value.to(values.dtype)
+    )
+
+    def unflat(x: Tensor) -> Tensor:
+        return x.reshape(b, t_len, n, length).permute(1, 0, 2, 3)
+
+    return unflat(adv), unflat(ret)
 
 
 def vtrace(

@@ -78,10 +78,18 @@ class LearnerConfig(_Strict):
     temperature: float = Field(1.0, gt=0, description="sampling temperature the rollouts used (logits / T)")
 
     # --- advantages and objective ------------------------------------------------------------
-    algorithm: Literal["grpo", "drmas", "dr_grpo"] = Field(
+    algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"] = Field(
         "drmas",
-        description="advantage: grpo = group-normalised (DeepSeekMath); drmas = per (group, agent) "
-        "normalisation (Dr. MAS); dr_grpo = group-centred, unscaled",
+        description="outcome advantage (docs/algorithms.md §1): grpo = normalised per group "
+        "(DeepSeekMath); drmas = per (group, agent) (Dr. MAS); dr_grpo = group-centred, unscaled "
+        "(Dr. GRPO); at_grpo = per (group, agent, turn) (AT-GRPO, PettingLLMs); grpo_trajectory = "
+        "trajectory means normalised per group (DrMAS's global baseline)",
+    )
+    singleton_advantage: Literal["batch", "zero", "raw"] = Field(
+        "batch",
+        description="a row alone in its advantage group (e.g. an agent that acted once in a group): "
+        "batch = normalised against its agent's rows in the batch (drmas, at_grpo) or the whole batch "
+        "(grpo, dr_grpo); zero = advantage 0; raw = verl's R/(1+eps), the unnormalised reward",
     )
     reward_source: Literal["step", "trajectory"] = Field(
         "step", description="reward of a row: the agent step's own reward, or the team reward"
@@ -109,10 +117,21 @@ class LearnerConfig(_Strict):
     )
     whiten_advantages: bool = Field(True, description="ppo-critic: normalise GAE advantages per batch")
     tis_cap: float | None = Field(
-        2.0, gt=0, description="cap C on the token weight π_prox/μ (None: uncapped)"
+        2.0,
+        gt=0,
+        description="cap C on the behaviour weight π_prox/μ (None: uncapped). The default 2.0 with "
+        "tis_mode='clamp' is truncated IS as verl (rollout_is_threshold=2) and slime (tis_clip=2) use it; "
+        "AReaL's decoupled PPO masks above 5.0 instead (tis_cap=5, tis_mode='mask')",
     )
     tis_mode: Literal["clamp", "mask"] = Field(
-        "clamp", description="clamp = truncated IS (verl/slime); mask = drop tokens over the cap (AReaL)"
+        "clamp",
+        description="clamp = truncate the weight at tis_cap (verl/slime TIS); mask = weight 0 above the "
+        "cap, the token (or sequence) still counted in the denominator (AReaL token_mask, Seq-MIS)",
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token = one weight per token; sequence = ρ_seq = Π_t π_prox/μ per row (Seq-TIS when "
+        "clamped, Seq-MIS when masked)",
     )
     clip_low: float = Field(0.2, ge=0, description="PPO clip ε below 1")
     clip_high: float | None = Field(None, ge=0, description="PPO clip ε above 1 (None: = clip_low)")
@@ -131,6 +150,12 @@ class LearnerConfig(_Strict):
     # --- update ------------------------------------------------------------------------------
     update_order: Literal["sequential", "simultaneous"] = Field(
         "sequential", description="sequential = agent by agent with the HAPPO factor; simultaneous = MAPPO"
+    )
+    happo_factor: Literal["turn", "trajectory"] = Field(
+        "turn",
+        description="sequential: the joint sample of the HAPPO correction factor. turn = per (episode, "
+        "turn): a row is weighted by the earlier-updated agents' ratios of its own turn (HAPPO/MARFT); "
+        "trajectory = by their ratios over the whole episode (equal on single-turn workflows)",
     )
     order: Literal["random", "fixed"] = Field(
         "random", description="sequential order: a seeded random permutation per step, or ``adapters`` order"
@@ -231,6 +256,9 @@ class LearnerConfig(_Strict):
             "objective": self.objective,
             "tis_cap": self.tis_cap,
             "tis_mode": self.tis_mode,
+            "tis_level": self.tis_level,
+            "singleton_advantage": self.singleton_advantage,
+            "happo_factor": self.happo_factor,
             "kl_coef": self.kl_coef,
             "kl_estimator": self.kl_estimator,
             "loss_agg": self.loss_agg,

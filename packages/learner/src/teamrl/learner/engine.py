@@ -22,11 +22,18 @@ Design decisions:
   misaligned positions was measured to collapse training (LEARNING-NOTES.md), so the gap between the
   behaviour log-probs and the recomputation on *fresh* rows (sampled with exactly the current weights) is
   a metric, and a gap over ``logprob_tolerance`` raises :class:`LogprobMismatch`.
-* **Advantages** per row (one agent step): GRPO (DeepSeekMath §4.1.2), Dr. GRPO (unscaled) or Dr. MAS
-  agent-wise normalisation per (group, agent) (Dr. MAS eq. 7), broadcast to the response tokens.
-* **Objective**: AReaL decoupled PPO (π_θ/π_prox inside the clip, token weight π_prox/μ capped at
-  ``tis_cap`` outside it = token TIS), or plain PPO-clip against π_prox; plus β·KL(π_θ‖π_ref) with π_ref the
-  base with adapters disabled (``disable_adapter()``). π_prox is the adapter before this step's update.
+* **Advantages** per row (one agent step), ``algorithm`` (docs/algorithms.md §1): GRPO, Dr. GRPO, Dr. MAS
+  per (group, agent), AT-GRPO per (group, agent, turn) or DrMAS's trajectory-mean baseline
+  (:func:`teamrl.learner.advantages.outcome_advantages`; a row alone in its group follows
+  ``singleton_advantage``), broadcast to the response tokens.
+* **Objective**: decoupled PPO (π_θ/π_prox inside the clip, behaviour weight π_prox/μ outside it), or plain
+  PPO-clip against π_prox; plus β·KL(π_θ‖π_ref) with π_ref the base with adapters disabled
+  (``disable_adapter()``). π_prox is the adapter before this step's update. The default weight is
+  truncated at ``tis_cap`` = 2 (token TIS as verl and slime use it); AReaL's rule, weight 0 above a cap
+  of 5, is ``tis_mode="mask"``, ``tis_cap=5``; ``tis_level="sequence"`` uses ρ_seq (docs/algorithms.md §3).
+* **Sample weights**: the buffer's per-trajectory weights (``SampleReply.weights``: prioritised-replay
+  importance weights, staleness decay), passed as ``train_step(weights=...)``, multiply every row's
+  policy and KL loss (:func:`teamrl.learner.losses.weight_rows`); the critic's value loss is unweighted.
 * **PPO with a centralised critic** (``objective="ppo-critic"``, MARFT APPO/TPPO): a value head on the
   frozen base's hidden states (:mod:`teamrl.learner.critic`, which explains the choice), its own
   DeepSpeed engine and AdamW (``critic_lr``), GAE at action or token level (``critic_level``) on the
@@ -41,8 +48,9 @@ Design decisions:
   loads it continues bit-for-bit (``tests/unit/learner/test_learner_resume.py``): nothing else in a step
   depends on state (the update order is seeded by the step number).
 * **Update**: :func:`teamrl.learner.update.sequential_update`. A joint row of the HAPPO factor is one
-  *trajectory*: agent k's action log-prob on it is the sum over its steps in that episode (0 where it did
-  not act), and agent m's rows are weighted by the factor of their trajectory. ``simultaneous`` is
+  (episode, turn) (``happo_factor="turn"``, HAPPO's per-time-step factor) or one episode
+  (``"trajectory"``): agent k's action log-prob on it is the sum over its steps there (0 where it did
+  not act), and agent m's rows are weighted by the factor of their joint row. ``simultaneous`` is
   independent PPO (factor 1). In simultaneous mode with one epoch π_prox equals the detached log-probs of
   the training forward itself, so no extra forward pass is spent on it.
 * **Data parallel**: each rank trains on its own sample; DeepSpeed averages the gradients. Every rank
@@ -69,7 +77,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from teamrl.learner.advantages import agentwise_advantages, grpo_advantages, masked_whiten
+from teamrl.learner.advantages import (
+    advantage_groups,
+    broadcast_to_tokens,
+    masked_whiten,
+    outcome_advantages,
+    singleton_group_count,
+)
 from teamrl.learner.critic import (
     ValueHead,
     action_level_gae,
@@ -84,8 +98,9 @@ from teamrl.learner.losses import (
     decoupled_ppo_loss,
     kl_penalty,
     ppo_clip_loss,
+    weight_rows,
 )
-from teamrl.learner.update import random_order, sequential_update
+from teamrl.learner.update import joint_logprob, joint_rows, random_order, sequential_update
 from teamrl.protocol.trajectory import GraphTrajectory
 
 __all__ = [
@@ -148,6 +163,9 @@ class RowBatch:
     agent_of_row: list[str]
     n_traj: int
     team_rewards: list[float] = field(default_factory=list)
+    turn_idx: Tensor | None = None  # [N] int64, the step's turn (None: all 0)
+    row_weights: Tensor | None = None  # [N] float32 sample weight of the row's trajectory (None: all 1)
+    joint_idx: Tensor | None = None  # [N] int64 joint sample of the HAPPO factor (set by train_step)
 
     @property
     def n_rows(self) -> int:
@@ -205,6 +223,7 @@ def build_rows(
                     "v": int(s.policy_version),
                     "adapter": s.adapter,
                     "agent": s.agent_id,
+                    "turn": int(s.turn),
                 }
             )
     if not rows:
@@ -240,6 +259,7 @@ def build_rows(
         group_idx=col("g", torch.long),
         agent_idx=col("a", torch.long),
         traj_idx=col("t", torch.long),
+        turn_idx=col("turn", torch.long),
         versions=col("v", torch.long),
         adapter_of_row=[r["adapter"] for r in rows],
         agent_of_row=[r["agent"] for r in rows],
@@ -249,11 +269,16 @@ def build_rows(
     return batch, ignored
 
 
-def row_advantages(batch: RowBatch, algorithm: Literal["grpo", "drmas", "dr_grpo"]) -> Tensor:
-    """Outcome advantage of every row [N] (see the module docstring for the three choices)."""
-    if algorithm == "drmas":
-        return agentwise_advantages(batch.rewards, batch.group_idx, batch.agent_idx)
-    return grpo_advantages(batch.rewards, batch.group_idx, scale=algorithm == "grpo")
+def row_advantages(
+    batch: RowBatch,
+    algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"],
+    singleton: Literal["batch", "zero", "raw"] = "batch",
+) -> Tensor:
+    """Outcome advantage of every row [N] (:func:`teamrl.learner.advantages.outcome_advantages`)."""
+    turn = batch.turn_idx if batch.turn_idx is not None else torch.zeros_like(batch.traj_idx)
+    return outcome_advantages(
+        algorithm, batch.rewards, batch.group_idx, batch.agent_idx, batch.traj_idx, turn, singleton
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -527,11 +552,14 @@ class LearnerEngine:
         grad_clip: float = 1.0,
         micro_batch_rows: int = 64,
         temperature: float = 1.0,
-        algorithm: Literal["grpo", "drmas", "dr_grpo"] = "drmas",
+        algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"] = "drmas",
         reward_source: Literal["step", "trajectory"] = "step",
         objective: Literal["decoupled", "ppo", "ppo-critic"] = "decoupled",
         tis_cap: float | None = 2.0,
         tis_mode: Literal["clamp", "mask"] = "clamp",
+        tis_level: Literal["token", "sequence"] = "token",
+        singleton_advantage: Literal["batch", "zero", "raw"] = "batch",
+        happo_factor: Literal["turn", "trajectory"] = "turn",
         kl_coef: float = 0.0,
         kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3",
         loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean",
@@ -571,6 +599,9 @@ class LearnerEngine:
         self.objective = objective
         self.tis_cap = tis_cap
         self.tis_mode = tis_mode
+        self.tis_level = tis_level
+        self.singleton_advantage = singleton_advantage
+        self.happo_factor = happo_factor
         self.kl_coef = kl_coef
         self.kl_estimator = kl_estimator
         self.loss_agg = loss_agg
@@ -823,6 +854,7 @@ class LearnerEngine:
         step: int,
         current_version: int,
         fresh_version: int | None = None,
+        weights: Sequence[float] | None = None,
     ) -> StepResult:
         """One update over a sample: advantages, objective, agent-by-agent (or simultaneous) steps.
 
@@ -832,6 +864,12 @@ class LearnerEngine:
         """
         t0 = time.perf_counter()
         batch, ignored = build_rows(trajectories, self.adapters, self.reward_source)
+        if weights is not None and len(weights) > 0:  # SampleReply.weights, one per trajectory
+            if len(weights) != len(trajectories):
+                raise LearnerError(f"{len(weights)} sample weights for {len(trajectories)} trajectories")
+            batch.row_weights = torch.tensor(list(weights), dtype=torch.float32)[batch.traj_idx]
+        assert batch.turn_idx is not None
+        batch.joint_idx, n_joint = joint_rows(batch.traj_idx, batch.turn_idx, batch.n_traj, self.happo_factor)
         rows = {a: batch.rows_of(a) for a in self.adapters}
         prox: dict[str, Tensor] = {}
         ref: dict[str, Tensor] = {}
@@ -842,8 +880,12 @@ class LearnerEngine:
         if self.critic is not None:
             adv_row, adv_tok = self._critic_advantages(batch, rows, ref, m)
         else:
-            adv_row = row_advantages(batch, self.algorithm)
-            adv_tok = adv_row[:, None] * batch.resp_mask
+            adv_row = row_advantages(batch, self.algorithm, self.singleton_advantage)
+            adv_tok = broadcast_to_tokens(adv_row, batch.resp_mask)
+            groups = advantage_groups(
+                self.algorithm, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx
+            )
+            m["singleton_groups"] = float(singleton_group_count(*groups))
             if self.kl_coef > 0:
                 for a in self.adapters:
                     ref[a] = self.token_logprobs(batch, rows[a], None)
@@ -851,12 +893,11 @@ class LearnerEngine:
         # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
         n_micro = dict(zip(self.adapters, counts, strict=True))
 
-        def traj_sum(adapter: str, token_logp: Tensor) -> Tensor:
-            out = torch.zeros(batch.n_traj, dtype=torch.float32)
+        def traj_sum(adapter: str, token_logp: Tensor) -> Tensor:  # per joint sample (happo_factor)
             idx = rows[adapter]
-            if len(idx):
-                out.index_add_(0, batch.traj_idx[idx], (token_logp * batch.resp_mask[idx]).sum(-1))
-            return out
+            assert batch.joint_idx is not None
+            row_logp = (token_logp * batch.resp_mask[idx]).sum(-1).float()
+            return joint_logprob(row_logp, batch.joint_idx[idx], n_joint)
 
         def logprob_fn(adapter: str) -> Tensor:
             cur = self.token_logprobs(batch, rows[adapter], adapter)
@@ -883,7 +924,7 @@ class LearnerEngine:
             step_fn,
             epochs=self.epochs,
             mode=self.update_order,
-            n_rows=batch.n_traj,
+            n_rows=n_joint,
         )
         self._trainable(None)
         for rec in result.records:
@@ -1065,7 +1106,7 @@ class LearnerEngine:
                 p = logp.detach() * mask
                 new_prox.append(p)
             offset += len(c)
-            f_row = factor_d[batch.traj_idx[c].to(dev)]
+            f_row = factor_d[batch.joint_idx[c].to(dev)]
             behav = batch.behav_logp[c].to(dev)
             if action_level:
                 # APPO: one ratio per action from length-normalised log-probs (ALGORITHMS.md §2)
@@ -1094,10 +1135,14 @@ class LearnerEngine:
                     s.clip_high,
                     cap=self.tis_cap,
                     cap_mode=self.tis_mode,
+                    level=self.tis_level,
                 )
             else:
                 a_tok = adv_tok[c].to(dev) * f_row[:, None]
                 terms = ppo_clip_loss(logp, p, a_tok, mask, s.clip_low, s.clip_high)
+            row_w = batch.row_weights[c].to(dev) if batch.row_weights is not None else None
+            if row_w is not None:  # SampleReply.weights: each row's loss times its trajectory's weight
+                terms = weight_rows(terms, row_w)
             # an action-level loss is a mean over actions; `unit` is what the ratio statistics count
             unit = row_mask if action_level else mask
             n_tok = float(mask_cpu.sum())
@@ -1106,6 +1151,8 @@ class LearnerEngine:
             kl_term = zero
             if self.kl_coef > 0:
                 kl_tok = kl_penalty(logp, ref[adapter][offset - len(c) : offset].to(dev), self.kl_estimator)
+                if row_w is not None:
+                    kl_tok = kl_tok * row_w[:, None]
                 kl = agg_loss(kl_tok * mask, mask, self.loss_agg)
                 loss = loss + self.kl_coef * kl
                 kl_term = kl.detach() * n_tok

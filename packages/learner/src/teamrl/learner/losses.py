@@ -56,13 +56,13 @@ __all__ = [
     "agg_loss",
     "ppo_clip_loss",
     "truncated_is_weights",
-    "tis_ppo_loss",
+    "behaviour_weights",
     "decoupled_ppo_loss",
+    "weight_rows",
     "sequence_log_ratios",
     "sequence_tis_weights",
     "sequence_rejection_mask",
     "kl_penalty",
-    "categorical_entropy",
     "clipped_value_loss",
 ]
 
@@ -245,24 +245,37 @@ def truncated_is_weights(
     return w, rejected
 
 
-def tis_ppo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
+def behaviour_weights(
+    prox_logp: Tensor,
     behav_logp: Tensor,
-    advantages: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    cap: float = 2.0,
-    dual_clip: float | None = None,
-) -> PolicyLossTerms:
-    """PPO-clip with token-level truncated importance sampling (verl ``rollout_is="token"``; slime TIS).
+    cap: float | None = 2.0,
+    mode: Literal["clamp", "mask"] = "clamp",
+    level: Literal["token", "sequence"] = "token",
+) -> tuple[Tensor, Tensor]:
+    """Off-policy weight w = π_prox/μ per token [B, L] and the tokens it rejected [B, L] bool, detached.
 
-    Shapes: all [B, L]. ℓ_t = sg(min(exp(old − behav), cap)) · ℓ^PPO_t(u = π_θ/π_old).
+    ``level="token"``: w_t = exp(prox_t − behav_t), then clamped to ``cap`` (token TIS: verl
+    ``rollout_is="token"``, slime) or zeroed above it (``mask``: AReaL ``token_mask``, icepop).
+    ``level="sequence"``: ρ_seq = exp(Σ_t m_t (prox_t − behav_t)) per row; ``clamp`` broadcasts
+    min(ρ_seq, cap) to the row's tokens (Seq-TIS), ``mask`` keeps weight 1 on rows with ρ_seq <= cap
+    and drops whole rows above it (Seq-MIS, upper bound only). ``cap=None``: uncapped (mask rejects
+    nothing). Weights are 0 on padding.
     """
-    w, rejected = truncated_is_weights(old_logp, behav_logp, mask, upper=cap, mode="clamp")
-    base = ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip)
-    return base._replace(loss=base.loss * w, is_weight=w, rejected=rejected)
+    _check_same_shape(prox_logp=prox_logp, behav_logp=behav_logp, mask=mask)
+    upper = float("inf") if cap is None else float(cap)
+    if level == "token":
+        return truncated_is_weights(prox_logp, behav_logp, mask, upper=upper, mode=mode)
+    if level != "sequence":
+        raise AlgorithmError(f"unknown IS level {level!r}; expected 'token' or 'sequence'")
+    valid = mask.bool()
+    if mode == "clamp":
+        return sequence_tis_weights(prox_logp, behav_logp, mask, cap=upper), torch.zeros_like(valid)
+    if mode == "mask":
+        kept, rejected_rows = sequence_rejection_mask(prox_logp, behav_logp, mask, lower=0.0, upper=upper)
+        w = kept.to(prox_logp.dtype) * valid.to(prox_logp.dtype)
+        return w, rejected_rows[:, None] & valid
+    raise AlgorithmError(f"unknown IS weight mode {mode!r}; expected 'clamp' or 'mask'")
 
 
 def decoupled_ppo_loss(
@@ -275,19 +288,37 @@ def decoupled_ppo_loss(
     clip_high: float | None = None,
     cap: float | None = 5.0,
     cap_mode: Literal["mask", "clamp"] = "mask",
+    level: Literal["token", "sequence"] = "token",
 ) -> PolicyLossTerms:
     """AReaL decoupled PPO (Fu et al. 2505.24298): behaviour, proximal and current policy.
 
-    Shapes: all [B, L]. prox_logp is the trainer's recomputation at the sampling version (no grad),
-    behav_logp the rollout engine's. ℓ_t = −w_t·min(u_t A_t, clip(u_t, 1−ε, 1+ε_high) A_t) with
-    u_t = π_θ/π_prox and w_t = π_prox/π_behav; ``cap`` (None = uncapped) masks (``mask``) or clamps
-    (``clamp``) w. Aggregate ``loss`` with the original ``mask`` so rejected tokens stay in the
-    denominator, as AReaL does.
+    Shapes: all [B, L] (or [B] at action level, token level only). prox_logp is the trainer's
+    recomputation at the sampling version (no grad), behav_logp the rollout engine's.
+    ℓ_t = −w_t·min(u_t A_t, clip(u_t, 1−ε, 1+ε_high) A_t) with u_t = π_θ/π_prox and w_t = π_prox/π_behav
+    from :func:`behaviour_weights` (``cap`` None = uncapped; ``cap_mode`` mask = AReaL, clamp = token
+    TIS as in verl/slime, whose π_old is this π_prox; ``level`` token or sequence). Aggregate ``loss``
+    with the original ``mask`` so rejected tokens stay in the denominator, as AReaL does.
     """
-    upper = float("inf") if cap is None else cap
-    w, rejected = truncated_is_weights(prox_logp, behav_logp, mask, upper=upper, mode=cap_mode)
+    if level == "sequence" and logp.dim() < 2:
+        raise AlgorithmError("sequence-level weights need token tensors [B, L]")
+    w, rejected = behaviour_weights(prox_logp, behav_logp, mask, cap, cap_mode, level)
     base = ppo_clip_loss(logp, prox_logp, advantages, mask, clip_low, clip_high)
     return base._replace(loss=base.loss * w, is_weight=w, rejected=rejected)
+
+
+def weight_rows(terms: PolicyLossTerms, row_weights: Tensor) -> PolicyLossTerms:
+    """Multiply each row's loss by a sample weight (prioritised-replay IS weight, staleness decay).
+
+    Shapes: terms.loss [B] or [B, L]; row_weights [B] (>= 0, detached). Aggregation is unchanged, so a
+    row of weight 0.5 counts half as much in the same denominator (``SampleReply.weights``).
+    """
+    if row_weights.dim() != 1 or row_weights.shape[0] != terms.loss.shape[0]:
+        raise AlgorithmError(f"row_weights must be [{terms.loss.shape[0]}], got {tuple(row_weights.shape)}")
+    if not torch.isfinite(row_weights).all() or bool((row_weights < 0).any()):
+        raise AlgorithmError("row_weights must be finite and >= 0")
+    w = row_weights.detach().to(terms.loss.dtype)
+    w = w.reshape(-1, *([1] * (terms.loss.dim() - 1)))
+    return terms._replace(loss=terms.loss * w)
 
 
 def sequence_log_ratios(old_logp: Tensor, behav_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -358,12 +389,6 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: Literal["k1", "k2", "k3", "
         k2 = 0.5 * d.square()
         return k2 + (k3 - k2).detach()
     raise AlgorithmError(f"unknown KL estimator {kind!r}; expected k1, k2, k3 or k3+")
-
-
-def categorical_entropy(logits: Tensor) -> Tensor:
-    """Entropy of a categorical over the last dim. Shapes: logits [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def clipped_value_loss(

@@ -196,7 +196,10 @@ class LearnerService:
     # --- data ---------------------------------------------------------------------------------
 
     def sample(self) -> tuple[list[Any], float]:
-        """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, wait s)."""
+        """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, wait s).
+
+        Their sample weights (``SampleReply.weights``, 1 where a reply carries none) are left in
+        ``self.sample_weights`` for the train step."""
         from teamrl.protocol.codec import decode_trajectories
         from teamrl.protocol.control import ErrorReply, SampleReply, SampleRequest
         from teamrl.protocol.errors import PeerTimeout
@@ -204,6 +207,7 @@ class LearnerService:
         lag = self.cfg.min_policy_version_lag
         min_version = self.version - lag if lag >= 0 else -1
         got: list[Any] = []
+        self.sample_weights: list[float] = []
         t0 = time.monotonic()
         while len(got) < self.cfg.batch_size:
             if self.stop_reason is not None and not got:
@@ -229,7 +233,10 @@ class LearnerService:
                 )
                 continue
             if isinstance(reply, SampleReply):
-                got.extend(decode_trajectories(reply.trajectories))
+                batch = decode_trajectories(reply.trajectories)
+                got.extend(batch)
+                w = reply.weights if len(reply.weights) == len(batch) else [1.0] * len(batch)
+                self.sample_weights.extend(float(x) for x in w)
             elif isinstance(reply, ErrorReply):
                 M.SAMPLE_ERRORS.labels(reply.reason).inc()
                 time.sleep(SAMPLE_POLL_S)
@@ -350,7 +357,11 @@ class LearnerService:
         metrics_of_step: dict[str, Any] = {}
         if self.cfg.train_weights:
             metrics_of_step = self.engine.train_step(
-                trajectories, self.step, self.version, fresh_version=fresh
+                trajectories,
+                self.step,
+                self.version,
+                fresh_version=fresh,
+                weights=getattr(self, "sample_weights", None),
             ).metrics
         self.step += 1
         pub: dict[str, float] = {}

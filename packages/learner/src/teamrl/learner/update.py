@@ -8,23 +8,29 @@ time in a random order i₁…iₙ. When agent iₘ trains, the agents before it
 
     L^{iₘ}(θ) = −E[ min( r_θ·M, clip(r_θ, 1−ε, 1+ε)·M ) ],  r_θ = π^{iₘ}_θ / π^{iₘ}_old.
 
-Design decisions (ALGORITHMS.md §3):
+Design decisions (docs/algorithms.md §4):
 
-* Ratios and the factor use the *full* action log-prob (sum over tokens): the factor is
-  exp(Σ_k Δℓ^{iₖ}). It is kept in log space (a running sum), and exponentiated with the log clamped to
-  ±20 so it cannot overflow; ``factor_clip=(lo, hi)`` additionally clips the product itself, trading
-  the estimator's unbiasedness for variance (HARL does not clip; off by default).
-* The factor is a stop-gradient constant: it is built from log-probs evaluated under ``no_grad`` and
-  detached again in :func:`happo_loss`.
+* **Joint samples** (:func:`joint_rows`, config ``happo_factor``). HAPPO's factor is per time step:
+  the joint action a_t of turn t is what the earlier-updated agents' ratios are evaluated on, so in a
+  multi-turn workflow agent iₘ's row at turn t is weighted by ∏_{k<m} of agent iₖ's ratio *at turn t*
+  only (``"turn"``, the default). ``"trajectory"`` multiplies those ratios over the whole episode
+  (every turn, including turns after the row's action); it is kept as an option and equals the
+  per-turn factor on single-turn workflows.
+* Ratios and the factor use the *full* action log-prob (sum over tokens; several steps of one agent in
+  one joint sample add): the factor is exp(Σ_k Δℓ^{iₖ}). It is kept in log space (a running sum), and
+  exponentiated with the log clamped to ±20 so it cannot overflow; ``factor_clip=(lo, hi)``
+  additionally clips the product itself, trading the estimator's unbiasedness for variance (HARL
+  does not clip; off by default).
+* The factor is a stop-gradient constant: it is built from log-probs evaluated under ``no_grad``,
+  detached in :func:`update_log_factor` and again in :func:`happo_advantages`.
 * The factor sits outside the min in HARL (``factor * min(surr1, surr2)``); since factor > 0 that equals
-  the formula above, which is what :func:`happo_loss` computes (a negative Â flips which side of the
-  clip binds).
+  PPO-clip with the advantage M = factor·Â (:func:`happo_advantages`), which is how the engine applies
+  it (a negative Â flips which side of the clip binds).
 * The *update* order is independent of the *execution* order of the dependency graph D. HARL draws a
-  fresh ``torch.randperm`` per iteration (:func:`random_order`); :func:`topological_order` gives a
-  deterministic order from D's parent lists for callers that want predecessors updated first.
+  fresh ``torch.randperm`` per iteration (:func:`random_order`); config ``order = "fixed"`` uses the
+  adapters' order.
 * The simultaneous independent-PPO baseline (MARFT's default ``agent_iteration_interval = 0``, MAPPO-like)
   is the same driver with ``mode="simultaneous"``: every agent sees factor 1 and the same old policy.
-  MARFT's round-robin freezing is :func:`round_robin_agent`.
 
 :func:`sequential_update` is framework-free: the DeepSpeed engine plugs in two callables and the
 driver keeps the running factor. Its call sequence is in its docstring.
@@ -41,27 +47,22 @@ import torch
 from torch import Tensor
 
 from teamrl.learner.advantages import AlgorithmError
-from teamrl.learner.losses import LOG_RATIO_CLAMP, PolicyLossTerms, ppo_clip_loss
+from teamrl.learner.losses import LOG_RATIO_CLAMP
 
 __all__ = [
-    "DependencyCycleError",
+    "FactorMode",
     "random_order",
-    "topological_order",
-    "round_robin_agent",
+    "joint_rows",
+    "joint_logprob",
     "update_log_factor",
     "correction_factor",
-    "happo_loss",
-    "independent_ppo_loss",
+    "happo_advantages",
     "AgentUpdateRecord",
     "SequentialUpdateResult",
     "sequential_update",
 ]
 
 AgentT = TypeVar("AgentT")
-
-
-class DependencyCycleError(AlgorithmError):
-    """The dependency graph D has a cycle within one step, so no topological order exists."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,54 +76,50 @@ def random_order(n_agents: int, generator: torch.Generator | None = None) -> lis
     return torch.randperm(n_agents, generator=generator).tolist()
 
 
-def topological_order(parents: Sequence[Sequence[int]]) -> list[int]:
-    """Order agents so every agent comes after its parents (Kahn's algorithm, ties by lowest index).
-
-    ``parents[i]`` lists the agents whose same-step actions agent i conditions on (D(i, j) = 1).
-    Raises :class:`DependencyCycleError` naming the agents on a cycle, or :class:`AlgorithmError` for
-    an out-of-range or self parent.
-    """
-    n = len(parents)
-    children: list[list[int]] = [[] for _ in range(n)]
-    indegree = [0] * n
-    for i, ps in enumerate(parents):
-        for p in set(ps):
-            if not 0 <= p < n or p == i:
-                raise AlgorithmError(
-                    f"agent {i} has invalid parent {p} (agents are 0..{n - 1}, no self-loops)"
-                )
-            children[p].append(i)
-            indegree[i] += 1
-    ready = sorted(i for i in range(n) if indegree[i] == 0)
-    order: list[int] = []
-    while ready:
-        node = ready.pop(0)
-        order.append(node)
-        for c in children[node]:
-            indegree[c] -= 1
-            if indegree[c] == 0:
-                ready.append(c)
-        ready.sort()
-    if len(order) != n:
-        stuck = sorted(set(range(n)) - set(order))
-        raise DependencyCycleError(
-            f"dependency graph has a cycle among agents {stuck}; move one edge to step t+1"
-        )
-    return order
-
-
-def round_robin_agent(global_step: int, interval: int, n_agents: int, offset: int = 0) -> int:
-    """MARFT ``agent_iteration_interval``: the one agent trained at ``global_step`` (others frozen).
-
-    (global_step // interval + offset) % n_agents; MARFT's APPO uses offset 0 and TPPO offset 1.
-    """
-    if interval < 1 or n_agents < 1:
-        raise AlgorithmError(f"interval and n_agents must be >= 1, got {interval}, {n_agents}")
-    return (global_step // interval + offset) % n_agents
-
-
 # --------------------------------------------------------------------------------------------------
-# correction factor and surrogates
+# joint samples, correction factor and surrogates
+
+FactorMode = Literal["turn", "trajectory"]
+
+
+def joint_rows(
+    traj_idx: Tensor, turn_idx: Tensor, n_traj: int, mode: FactorMode = "turn"
+) -> tuple[Tensor, int]:
+    """The joint sample (s_t, a_t) each row (agent step) belongs to, for the HAPPO factor.
+
+    Shapes: traj_idx, turn_idx [N] int; returns (joint_idx [N] int64 in [0, J), J).
+    ``turn`` (HAPPO/MARFT per-time-step factor): one joint sample per (trajectory, turn); agent iₘ's
+    row at turn t is weighted only by the earlier-updated agents' actions of turn t.
+    ``trajectory``: one joint sample per trajectory (J = ``n_traj``); the factor multiplies the earlier
+    agents' ratios over *all* turns of the episode, including turns after the row's own action.
+    The two agree on single-turn workflows.
+    """
+    if traj_idx.shape != turn_idx.shape or traj_idx.dim() != 1:
+        raise AlgorithmError(
+            f"traj_idx and turn_idx must both be [N], got {tuple(traj_idx.shape)}, {tuple(turn_idx.shape)}"
+        )
+    if mode == "trajectory":
+        return traj_idx.to(torch.int64), n_traj
+    if mode == "turn":
+        if traj_idx.numel() == 0:
+            return traj_idx.to(torch.int64), 0
+        _, inverse = torch.unique(
+            torch.stack([traj_idx.to(torch.int64), turn_idx.to(torch.int64)], dim=1),
+            dim=0,
+            return_inverse=True,
+        )
+        return inverse, int(inverse.max()) + 1
+    raise AlgorithmError(f"unknown happo_factor {mode!r}; expected 'turn' or 'trajectory'")
+
+
+def joint_logprob(row_logp: Tensor, joint_idx: Tensor, n_joint: int) -> Tensor:
+    """An agent's log-prob of its part of each joint action: Σ over its rows in the joint sample.
+
+    Shapes: row_logp [n] (full action log-probs of the agent's rows), joint_idx [n]; returns [J], 0
+    for joint samples where the agent did not act (its ratio there is 1).
+    """
+    out = torch.zeros(n_joint, dtype=row_logp.dtype, device=row_logp.device)
+    return out.index_add_(0, joint_idx.to(row_logp.device), row_logp.detach())
 
 
 def update_log_factor(log_factor: Tensor, new_logp: Tensor, old_logp: Tensor) -> Tensor:
@@ -153,34 +150,16 @@ def correction_factor(log_factor: Tensor, clip: tuple[float, float] | None = Non
     return factor
 
 
-def happo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    factor: Tensor,
-    mask: Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-) -> PolicyLossTerms:
-    """HAPPO per-agent surrogate: −min(r·M, clip(r, 1−ε, 1+ε)·M) with M = sg(factor)·Â.
+def happo_advantages(advantages: Tensor, factor: Tensor, joint_idx: Tensor) -> Tensor:
+    """M = sg(factor of the row's joint sample) · Â, the advantage agent iₘ's PPO-clip is given.
 
-    Shapes: logp (with grad), old_logp, advantages, factor, mask: all [B] (action level) — or any
-    common shape, e.g. factor [B, 1] broadcast to token-level [B, L] via ``factor.expand_as``.
+    Shapes: advantages [N] or [N, L] (one row per agent step), factor [J] (one per joint sample),
+    joint_idx [N] int (:func:`joint_rows`); returns advantages' shape. The HAPPO surrogate
+    −min(r·M, clip(r, 1−ε, 1+ε)·M) is then :func:`teamrl.learner.losses.ppo_clip_loss` (or the decoupled
+    loss) with M as the advantage; HARL puts the factor outside the min, equal since factor > 0.
     """
-    factor = factor.detach().expand_as(advantages)
-    return ppo_clip_loss(logp, old_logp, factor * advantages.detach(), mask, clip_low, clip_high)
-
-
-def independent_ppo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-) -> PolicyLossTerms:
-    """Simultaneous independent-PPO baseline: each agent's own PPO-clip, no correction (factor 1)."""
-    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high)
+    f = factor.detach().to(advantages.dtype)[joint_idx]
+    return advantages.detach() * f.reshape(-1, *([1] * (advantages.dim() - 1)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,7 +222,7 @@ def sequential_update(
       joint rows under its *current* parameters, computed under ``torch.no_grad`` in eval mode. Rows
       where the agent did not act return the same constant before and after (e.g. 0).
     * ``step_fn(agent, factor[B]) -> stats``: one epoch of optimiser steps for that agent, using
-      :func:`happo_loss` with ``factor`` (already detached) indexed by its minibatch rows.
+      :func:`happo_advantages` with ``factor`` (already detached) on its rows.
 
     Call sequence (``mode="sequential"``), for position m, agent k = agents[order[m]]:
       1. old = logprob_fn(k)                       # π^k_old on the rows, before k's epochs
