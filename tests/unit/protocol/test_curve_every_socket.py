@@ -36,7 +36,7 @@ def _count(socket: str, reason: str) -> float:
     return metrics.AUTH_REFUSED.labels(socket=socket, reason=reason)._value.get()
 
 
-def _wait_count(socket: str, reason: str, above: float, timeout_s: float = 5.0) -> float:
+def _wait_count(socket: str, reason: str, above: float, timeout_s: float = 20.0) -> float:
     deadline = time.monotonic() + timeout_s
     while _count(socket, reason) <= above and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -161,10 +161,12 @@ def test_weights_pub_and_latest_admit_only_rollouts_and_admin(transport: Transpo
         for s in intruders:
             with pytest.raises(PeerTimeout):
                 s.latest()
-        time.sleep(0.3)  # the SUBs that can join have joined
-        pub.publish(_weights(2))
-        got = rollout.poll(3000)
-        assert got is not None and got.version == 2  # PUB -> SUB with the rollout key
+        got, version, deadline = None, 1, time.monotonic() + 20
+        while got is None and time.monotonic() < deadline:  # a SUB joins late on a loaded machine
+            version += 1
+            pub.publish(_weights(version))
+            got = rollout.poll(500)
+        assert got is not None and got.version == version  # PUB -> SUB with the rollout key
         assert all(s.poll(300) is None for s in intruders)  # nothing reaches the others
         for s in sockets:
             k = (s, "unknown_key")
