@@ -1,35 +1,40 @@
-"""Advantage estimators: group baselines (GRPO, Dr. GRPO, Dr. MAS) and critic-based GAE (MARFT, verl).
+"""Advantage estimators: group baselines (GRPO, Dr. GRPO, Dr. MAS, AT-GRPO) and critic-based GAE (MARFT).
 
 Every function here is pure (tensors in, tensors out, torch only, no module state) so it can be
-checked against the worked examples of ``/work/shared/ALGORITHMS.md`` on 3-element tensors.
+checked against the worked examples of ``docs/algorithms.md`` on 3-element tensors
+(``tests/unit/learner/test_algorithms.py``).
 
-Design decisions (the open points of ALGORITHMS.md, chosen once here):
+Design decisions (docs/algorithms.md §1 and §6):
 
-* **Group baselines** (ALGORITHMS.md §4). ``grpo_advantages`` is DeepSeekMath §4.1.2 outcome
-  supervision: Â_i = (R_i − mean_g R) / (std_g R + ε). ``scale=False`` is Dr. GRPO (Liu et al.
-  2503.20783): Â_i = R_i − mean_g R. The std is the *sample* std by default (``unbiased=True``), as
-  verl and DrMAS compute it; pass ``unbiased=False`` for the population std that MARFT/HARL use. A
-  group of one row gets mean 0 and std 1 (verl's rule), so its advantage is R/(1+ε), not 0; use
-  :func:`singleton_group_count` to count such groups in a metric, since they carry no baseline.
+* **Group baselines.** ``grpo_advantages`` is DeepSeekMath §4.1.2 outcome supervision:
+  Â_i = (R_i − mean_g R) / (std_g R + ε). ``scale=False`` is Dr. GRPO (Liu et al. 2503.20783):
+  Â_i = R_i − mean_g R. The std is the *sample* std by default (``unbiased=True``), as verl and DrMAS
+  compute it; pass ``unbiased=False`` for the population std that MARFT/HARL use.
+* **Singleton groups** (:data:`SingletonRule`). A row alone in its group has no baseline; verl gives it
+  mean 0 and std 1, i.e. its raw reward. ``batch`` (the learner's default) normalises it against a
+  coarser grouping instead (the agent's rows in the batch for Dr. MAS), ``zero`` gives 0, ``raw`` keeps
+  verl's rule for parity (the default of the pure :func:`grpo_advantages`, whose tests pin it).
 * **Agent-wise normalisation** (Dr. MAS, Feng et al. 2602.08847; DrMAS ``group_by_agent_id=True``):
   rows are grouped by the pair (group id, agent id), so each agent is normalised by *its own*
   reward mean and std within the group. This is the paper's fix for gradient-norm spikes: with
   global normalisation an agent whose rewards live on a large scale dominates the std, and the other
   agents' advantages collapse to a near-constant (see ``tests/unit/learner/test_advantages.py``).
-  The global alternative that DrMAS implements (``group_by_agent_id=False``: average each
-  trajectory's rows first, normalise one value per trajectory) is :func:`trajectory_advantages`.
-* **Action-level GAE** (MARFT ``ActionBuffer``, ALGORITHMS.md §2): agents are macro-actions in
-  execution order; agent i < n bootstraps from agent i+1 of the *same* step, agent n from agent 1 of
-  the next step, and γ applies between agents (MARFT's choice, kept for parity). This follows the
-  multi-agent advantage decomposition (Kuba et al. 2109.11251, Lemma 1).
-* **Token-level GAE** (MARFT ``TokenBuffer``): inside an action δ = γ_tok·V_{j+1} − V_j with no reward;
-  the last token of an action takes the reward and bootstraps from the next agent's first-token value.
-  MARFT applies γ = 0.99 per token; ``token_gamma`` lets a caller set γ = 1 inside actions so the token
-  MDP equals the action MDP (ALGORITHMS.md open point 2). Default: MARFT's behaviour.
-* **Single-sequence GAE** (Schulman et al. 1506.02438, Eq. 16) with verl's masked recursion: positions
-  with m = 0 (prompt, tool output, padding) carry ``nextvalues`` and the running GAE through unchanged.
+  AT-GRPO (PettingLLMs) groups by (group, agent, turn) (``turn_ids``). The global alternative that
+  DrMAS implements (``group_by_agent_id=False``: average each trajectory's rows first, normalise one
+  value per trajectory) is :func:`trajectory_advantages`. :func:`outcome_advantages` dispatches on
+  the config's ``algorithm``.
+* **GAE** (Schulman et al. 1506.02438, Eq. 16) is one recursion, :func:`gae`, with verl's masked loop
+  (positions with m = 0 carry ``nextvalues`` and the running GAE through unchanged) and a per-position
+  discount. MARFT's action-level GAE (:func:`action_gae`, ``ActionBuffer``: agents are macro-actions
+  in execution order; agent i < n bootstraps from agent i+1 of the *same* step, agent n from agent 1
+  of the next step, γ between agents, following the multi-agent advantage decomposition of Kuba et
+  al. 2109.11251, Lemma 1) and token-level GAE (:func:`token_gae`, ``TokenBuffer``: inside an action
+  δ = γ_tok·V_{j+1} − V_j, the last token takes the reward and bootstraps from the next agent's
+  first-token value) are that recursion over a flattened sequence. MARFT applies γ per token;
+  ``token_gamma`` = 1 makes the token MDP equal the action MDP. Default: MARFT's behaviour.
 * **V-trace** (Espeholt et al. 1802.01561, §4.1 Eq. 1 and the policy-gradient advantage of §4.2),
-  for a critic trained on stale data; c̄ is a parameter (IMPALA hard-codes 1.0).
+  for a critic trained on stale data; c̄ is a parameter (IMPALA hard-codes 1.0). Not selected by any
+  config field yet.
 
 Errors: malformed inputs (shape/dtype mismatch, non-finite rewards) raise :class:`AlgorithmError`, a
 ``ValueError``; nothing is clamped or dropped without a counter the caller can read.
@@ -97,7 +102,7 @@ def _check_same_shape(**tensors: Tensor) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# group baselines (ALGORITHMS.md §4)
+# group baselines (docs/algorithms.md §1)
 
 
 def group_index(*ids: Tensor) -> tuple[Tensor, int]:
@@ -365,7 +370,7 @@ def masked_whiten(
 
 
 # --------------------------------------------------------------------------------------------------
-# critic-based estimators (ALGORITHMS.md §2, §5d, §7)
+# critic-based estimators (docs/algorithms.md §6)
 
 
 def gae(
@@ -411,7 +416,7 @@ def gae(
 def action_gae(
     rewards: Tensor, values: Tensor, masks: Tensor, gamma: float = 0.99, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
-    """MARFT action-level GAE over agents as macro-actions (ALGORITHMS.md §2, ``ActionBuffer``).
+    """MARFT action-level GAE over agents as macro-actions (docs/algorithms.md §6, ``ActionBuffer``).
 
     Shapes (time-major, agents in *execution* order):
       rewards [T, B, N]; values [T+1, B, N] with values[T, :, 0] the bootstrap V¹_{T} (other entries
@@ -458,7 +463,7 @@ def token_gae(
     lam: float = 0.95,
     token_gamma: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """MARFT token-level GAE (ALGORITHMS.md §2, ``TokenBuffer``).
+    """MARFT token-level GAE (docs/algorithms.md §6, ``TokenBuffer``).
 
     Shapes: rewards [T, B, N] (reward of agent i's action at step t); values, token_mask [T, B, N, L]
     (V_{t,i,j} = value of the state *before* token j; actions right-padded, valid length K = last

@@ -1,4 +1,4 @@
-"""Centralised critic for PPO with a value function (MARFT APPO / TPPO, ALGORITHMS.md §2 and §7).
+"""Centralised critic for PPO with a value function (MARFT APPO / TPPO, docs/algorithms.md §6).
 
 Call sequence (what :class:`teamrl.learner.engine.LearnerEngine` does with ``objective="ppo-critic"``)::
 

@@ -1109,7 +1109,7 @@ class LearnerEngine:
             f_row = factor_d[batch.joint_idx[c].to(dev)]
             behav = batch.behav_logp[c].to(dev)
             if action_level:
-                # APPO: one ratio per action from length-normalised log-probs (ALGORITHMS.md §2)
+                # APPO: one ratio per action from length-normalised log-probs (docs/algorithms.md §6)
                 assert adv_row is not None
                 row_mask = mask.any(-1)
                 terms = decoupled_ppo_loss(

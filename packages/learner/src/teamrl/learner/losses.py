@@ -1,34 +1,39 @@
 """Policy and value objectives: PPO-clip, off-policy corrections for async data, KL, aggregation.
 
-Pure tensor functions (torch only), each checkable on a 3x4 tensor against ``/work/shared/ALGORITHMS.md``.
+Pure tensor functions (torch only), each checkable on a 3x4 tensor against the worked examples of
+``docs/algorithms.md`` (``tests/unit/learner/test_algorithms.py``).
 Losses are *minimised*. Per-token functions return a :class:`PolicyLossTerms` of element-wise tensors;
 the caller reduces them with :func:`agg_loss`, so every aggregation mode works with every objective and
 per-agent settings (clip range, cap, ...) are plain arguments, not config objects.
 
 Design decisions:
 
-* **Action log-probability** (MARFT ``normalize_log_probs``, ALGORITHMS.md §2): ``sum`` (default) or
+* **Action log-probability** (MARFT ``normalize_log_probs``, docs/algorithms.md §6): ``sum`` (default) or
   ``token`` (÷ number of valid tokens: the ratio becomes the geometric-mean token ratio) or ``word``
   (÷ a caller-supplied word count). Old and new values must use the same mode.
-* **PPO-clip** (Schulman et al. 1707.06347, Eq. 7) per element, asymmetric ``clip_high`` allowed
-  (DAPO-style), optional dual clip c (verl; Ye et al. 1912.09729) for A < 0. The log-ratio is clamped to
-  ±20 before ``exp`` so a summed action log-prob cannot overflow. For A > 0 the clamp only acts where the
-  clipped (constant) branch is taken anyway; for A < 0 it bounds an unclipped term that is already
-  e^20·|A| (use ``dual_clip`` for a principled bound).
-* **Token-level TIS** (ALGORITHMS.md §5a): w_t = sg(min(exp(logπ_old − logμ), C)) multiplies the already
-  clipped token loss (verl/slime). ``lower`` with ``mode="clamp"`` is OpenRLHF's two-sided ``tis``
-  (it *raises* small weights); ``mode="mask"`` is ``icepop``/AReaL ``token_mask`` (weight 0 outside
-  [lower, upper]).
+* **PPO-clip** (Schulman et al. 1707.06347, Eq. 7; docs/algorithms.md §2) per element, asymmetric
+  ``clip_high`` allowed (DAPO-style), optional dual clip c (verl; Ye et al. 1912.09729) for A < 0. The
+  log-ratio is clamped to ±20 before ``exp`` so a summed action log-prob cannot overflow. For A > 0 the
+  clamp only acts where the clipped (constant) branch is taken anyway; for A < 0 it bounds an
+  unclipped term that is already e^20·|A| (use ``dual_clip`` for a principled bound).
+* **Off-policy weight** (:func:`behaviour_weights`, docs/algorithms.md §3): w = π_prox/μ per token or
+  per sequence, clamped at the cap (truncated IS: verl ``rollout_is``, slime ``tis_clip``; the
+  learner's default, cap 2) or zeroed above it (``mask``: AReaL ``token_mask`` with cap 5, icepop,
+  Seq-MIS). ``lower`` with ``mode="clamp"`` in :func:`truncated_is_weights` is OpenRLHF's two-sided
+  ``tis`` (it *raises* small weights).
 * **Decoupled PPO** (AReaL, Fu et al. 2505.24298): three policies; u_t = π_θ/π_prox inside the clip,
-  w_t = π_prox/π_behav outside it, capped at 5.0 in ``mask`` mode by default, i.e. the behaviour of
-  AReaL PR #930 (``behave_imp_weight_cap=5``, ``token_mask``; ALGORITHMS.md open point 5). Masked tokens
+  w_t = π_prox/π_behav outside it. verl/slime token TIS is the same formula with their recomputed
+  π_old in place of π_prox and the weight clamped, so there is one function for both. Masked tokens
   keep counting in the denominator: aggregate with the *original* loss mask.
-* **Sequence-level correction** (§5c): ρ_seq = exp(Σ m log ρ) and ρ_geo = exp(Σ m log ρ / Σ m) with
-  log ρ = logπ_old − logμ (verl/slime sign). Seq-MIS rejects a sequence by zeroing its mask; bounds are
-  two-sided [lower, upper] as in verl's ``decoupled_seq_is_rs`` preset (open point 6); pass
-  ``lower=0`` for upper-only. The returned ``rejected`` vector is for the caller's counter.
-* **KL to the reference** (Schulman 2020 blog; DeepSeekMath Eq. 4; verl ``kl_penalty``): k1, k2, k3
-  (``low_var_kl``: log-ratio clamped to ±20, output to [−10, 10]) and k3+ (k3 value, k2 gradient). The
+* **Sample weights** (:func:`weight_rows`, docs/algorithms.md §7): the buffer's per-trajectory weight
+  multiplies each row's loss.
+* **Sequence-level correction** (docs/algorithms.md §3): ρ_seq = exp(Σ m log ρ) and
+  ρ_geo = exp(Σ m log ρ / Σ m) with log ρ = logπ_old − logμ (verl/slime sign). Seq-MIS rejects a
+  sequence by zeroing its mask; :func:`sequence_rejection_mask` takes two-sided bounds [lower, upper]
+  as in verl's ``decoupled_seq_is_rs`` preset; the learner (:func:`behaviour_weights`) uses
+  ``lower=0``, upper-only. The returned ``rejected`` vector is for the caller's counter.
+* **KL to the reference** (docs/algorithms.md §5; Schulman 2020 blog; DeepSeekMath Eq. 4; verl
+  ``kl_penalty``): k1, k2, k3 (``low_var_kl``: log-ratio clamped to ±20, output to [−10, 10]) and k3+ (k3 value, k2 gradient). The
   reference log-probs come from the base with adapters disabled, computed by the caller under no_grad.
 * **Aggregation** (verl ``agg_loss``): ``token-mean`` Σℓm/Σm; ``seq-mean-token-mean`` mean over
   sequences of Σ_t ℓm/Σ_t m; ``seq-mean-token-sum`` mean over sequences of Σ_t ℓm;
