@@ -166,7 +166,9 @@ def test_weights_pub_and_latest_admit_only_rollouts_and_admin(transport: Transpo
             version += 1
             pub.publish(_weights(version))
             got = rollout.poll(500)
-        assert got is not None and got.version == version  # PUB -> SUB with the rollout key
+        assert (
+            got is not None and 1 <= got.version <= version
+        )  # PUB -> SUB with the rollout key (v1 if it joined early)
         assert all(s.poll(300) is None for s in intruders)  # nothing reaches the others
         for s in sockets:
             k = (s, "unknown_key")
