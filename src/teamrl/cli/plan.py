@@ -149,6 +149,7 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "max_lora_rank": team.max_lora_rank,
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
+            "final_version": args.steps,  # the last version is always evaluated
             "reward_scale": reward_scale(args),
         },
     }

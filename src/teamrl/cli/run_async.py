@@ -33,7 +33,7 @@ from teamrl.cli.run_sync import summary
 from teamrl.cli.supervisor import Service, Supervisor
 from teamrl.rollout.cpus import core_shares
 
-MAX_RESTARTS = 3  # a rollout that dies (e.g. its vLLM engine) is started again this many times
+MAX_RESTARTS = 3  # a service that dies is started again this many times (each service its own budget)
 STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
 
 
@@ -238,8 +238,11 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     # Rollouts on this machine get disjoint cores: left to vLLM's automatic binding, every engine
     # binds its worker to the same core(s). An operator's own VLLM_CPU_OMP_THREADS_BIND wins.
     rollout_env = [{**env, **share} for share in core_shares(args.rollouts)]
+    resumed_at = max([0, *(int(r.get("version", 0)) for r in read_jsonl(run_dir / "metrics.jsonl"))])
     for i in range(args.rollouts):
         extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep["sample"]}"']
+        if resumed_at:  # the learner re-announces this version at start; older weights would be wasted
+            extra += ["--set", f"start_version={resumed_at}"]
         if i == 0:
             extra += [
                 "--set",
@@ -295,24 +298,30 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
                 rc = 130
                 break
             dead = [s for s in sup.dead() if not (s.name.startswith("learner") and s.proc.returncode == 0)]
-            for s in [
-                d for d in dead if d.name.startswith("rollout") and restarts.get(d.name, 0) < MAX_RESTARTS
-            ]:
-                # rollouts come and go: whatever they had acked is in the buffer, the rest is resent
-                # by nobody and was never counted, so a fresh incarnation simply goes on
+            if any(d.name.startswith("learner") for d in dead):  # ranks rendezvous together: restart all
+                dead += [s for s in sup.services if s.name.startswith("learner") and s not in dead]
+            for s in [d for d in dead if restarts.get(d.name, 0) < MAX_RESTARTS]:
+                # Each service resumes from what it persisted: the buffer from its checkpoint (frames it
+                # had not acked are resent by the rollouts), a learner from its last complete
+                # checkpoint, a rollout as a new incarnation (what it had acked is in the buffer).
                 restarts[s.name] = restarts.get(s.name, 0) + 1
+                code = s.proc.returncode if s.proc is not None and s.proc.poll() is not None else "alive"
                 print(
-                    f"[teamrl] {s.name} exited with {s.proc.returncode}; restarting it "
+                    f"[teamrl] {s.name} exited with {code}; restarting it "
                     f"({restarts[s.name]}/{MAX_RESTARTS}); last log lines:\n{s.tail(5)}",
                     file=sys.stderr,
                     flush=True,
                 )
+                if s.alive:
+                    s.proc.terminate()
+                    s.proc.wait(timeout=60)
                 s.start()
                 dead.remove(s)
             if dead:
                 for s in dead:
                     print(
-                        f"[teamrl] {s.name} exited with {s.proc.returncode}; last log lines:\n{s.tail()}",
+                        f"[teamrl] {s.name} exited with {s.proc.returncode} after {MAX_RESTARTS} restarts "
+                        f"(restart budget spent); stopping the run. Last log lines:\n{s.tail()}",
                         file=sys.stderr,
                     )
                 rc = 1
@@ -320,8 +329,7 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
             learners_done = all(not s.alive for s in sup.services if s.name.startswith("learner"))
             if learners_done:
                 final = rows[-1]["version"] if rows else 0
-                want_eval = args.eval_interval and final % args.eval_interval == 0
-                if not want_eval or any(e.get("version") == final for e in evals):
+                if not args.eval_interval or any(e.get("version") == final for e in evals):
                     break
                 final_wait_started = final_wait_started or time.time()
                 if time.time() - final_wait_started > 120:
@@ -341,8 +349,11 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     except ImportError as e:
         print(f"[teamrl] no plots ({e})")
     evals = read_jsonl(run_dir / "eval.jsonl")
+    if restarts:
+        print(f"[teamrl] restarts: {', '.join(f'{k} {v}' for k, v in sorted(restarts.items()))}", flush=True)
     if evals:
-        print(f"[teamrl] done in {time.time() - t_begin:.0f} s: {summary(evals[0], evals[-1])}", flush=True)
+        what = "done" if rc == 0 else f"stopped (exit code {rc})"
+        print(f"[teamrl] {what} in {time.time() - t_begin:.0f} s: {summary(evals[0], evals[-1])}", flush=True)
     bad = {k: v for k, v in codes.items() if v not in (0, None, -15)}
     if bad and rc == 0:
         rc = 1

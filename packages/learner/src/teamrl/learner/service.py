@@ -70,6 +70,31 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def drop_rows_from(path: Path, step: int) -> int:
+    """Rewrite a metrics JSONL without the rows of ``step`` and later (a resumed learner redoes
+    them); atomic (temp file + rename). Returns the rows dropped; a missing file drops nothing."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step", -1)
+        except (json.JSONDecodeError, AttributeError):
+            row_step = -1  # a torn last line from a kill: dropped with the redone steps
+            dropped += 1
+            continue
+        if isinstance(row_step, int) and row_step >= step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+        log.info("metrics.jsonl: dropped %d row(s) from step %d on (they are redone after the resume)", dropped, step)
+    return dropped
+
+
 class LearnerService:
     """One learner rank. ``LearnerService(cfg, ...).run()`` returns the exit code."""
 
@@ -306,6 +331,8 @@ class LearnerService:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        if self.rank == 0:
+            drop_rows_from(self.run_dir / "metrics.jsonl", self.step)  # steps redone after a resume: once each
         metrics_f = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
         t_begin = float(os.environ.get("TEAMRL_RUN_T0", time.time()))
         if self.publisher is not None and self.version > 0:

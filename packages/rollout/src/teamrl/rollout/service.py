@@ -75,6 +75,9 @@ class RolloutConfig(BaseModel):
     num_replicas: int = Field(1, ge=1, description="replicas sharing the task set")
     seed: int = Field(0, description="seeds task order and sampling")
     window: int = Field(16, ge=1, description="frames in flight to the buffer before sending blocks")
+    max_queued_frames: int = Field(
+        32, ge=1, description="finished groups waiting to be sent before generation waits (backpressure)"
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="time groups in flight get to finish on SIGTERM")
     flush_timeout_s: float = Field(
         30.0,
@@ -87,6 +90,10 @@ class RolloutConfig(BaseModel):
     adapter_dir: str = Field("", description="where received adapters are unpacked; empty = a temp folder")
     eval_interval: int = Field(0, ge=0, description="replica 0: evaluate held-out tasks every N versions")
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
+    final_version: int = Field(0, ge=0, description="also evaluate this version (the run's last; 0: none)")
+    start_version: int = Field(
+        0, ge=0, description="generate only once this adapter version is live (a resumed run's current one)"
+    )
     eval_file: str = Field("", description="replica 0 appends evaluations here (JSONL)")
     samples_dir: str = Field("", description="replica 0 writes a sample group per new version here")
     buffer_control: str = Field(
@@ -179,6 +186,14 @@ class _Sender(threading.Thread):
     def put(self, payload: bytes) -> None:
         self.q.put(payload)
         M.PUBLISH_QUEUE.set(self.q.qsize() + self.unacked)
+
+    async def put_bounded(self, payload: bytes, max_queued: int, stopping: Any) -> None:
+        """Queue a frame once fewer than ``max_queued`` wait to be sent (backpressure: the group that
+        finished waits, so no new group starts while the buffer cannot keep up). On stop it queues at
+        once: the exit flush sends or counts it."""
+        while self.q.qsize() >= max_queued and not stopping() and self.is_alive():
+            await asyncio.sleep(0.05)
+        self.put(payload)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,7 +462,9 @@ class RolloutService:
                 M.STEPS.labels(s.agent_id).inc()
                 M.TOKENS.labels(s.agent_id).inc(len(s.response_ids))
                 M.REWARD.labels(s.agent_id).observe(float(s.reward))
-        self.sender.put(encode_trajectories(list(trajs)))
+        await self.sender.put_bounded(
+            encode_trajectories(list(trajs)), self.cfg.max_queued_frames, lambda: self.stopping
+        )
         M.EPISODES.labels(self.cfg.workflow).inc(len(trajs))
         self.groups_done += 1
         self.episodes_done += len(trajs)
@@ -459,11 +476,25 @@ class RolloutService:
             tmp.write_bytes(encode_trajectories(list(trajs)))
             os.replace(tmp, out)  # readers (teamrl show) never see half a file
 
+    async def wait_for_version(self) -> None:
+        """Generate nothing before ``start_version`` is live (a resumed run's current weights): data
+        sampled from older weights would only be dropped as stale. Says every few seconds what it
+        waits for; a stop ends the wait."""
+        want, t0, said = self.cfg.start_version, time.monotonic(), 0.0
+        while self.engine.version < want and not self.stopping:
+            waited = time.monotonic() - t0
+            if waited - said >= 5.0:
+                log.info(
+                    "waiting for adapters v%d from %s before generating (%.0f s)", want, self.weights, waited
+                )
+                said = waited
+            await asyncio.sleep(0.2)
+
     async def maybe_evaluate(self) -> None:
         if self.eval_file is None or self.cfg.eval_interval == 0:
             return
         v = self.engine.version
-        if v % self.cfg.eval_interval or v in self._evaluated:
+        if (v % self.cfg.eval_interval and v != self.cfg.final_version) or v in self._evaluated:
             return
         self._evaluated.add(v)
         t0 = time.time()
@@ -629,6 +660,7 @@ class RolloutService:
         tput = asyncio.create_task(self.throughput_loop())
         beats = asyncio.create_task(self.heartbeat_loop())
         try:
+            await self.wait_for_version()
             await self.maybe_evaluate()
             await self.produce()
         finally:
