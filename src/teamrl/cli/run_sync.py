@@ -43,6 +43,9 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     from teamrl.rollout.engine import AdapterRefused, EngineConfig, RolloutEngine
     from teamrl.rollout.runner import WorkflowRunner
 
+    from teamrl.protocol.children import start_reaper
+
+    start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_begin = time.time()
@@ -121,7 +124,7 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
             await asyncio.gather(*[runner.episode(t, s, group_id=f"{step}-{t['id']}") for t, s in jobs])
         )
         t_gen = time.time() - t0
-        sender.send(encode_trajectories(trajs))  # Arrow over ZeroMQ, acked once decoded
+        sender.send(encode_trajectories(trajs), timeout_s=60.0)  # Arrow over ZeroMQ, acked once decoded
         got: list[Any] = []
         while not got:
             sender.flush(0.0)
