@@ -20,7 +20,12 @@ fails to decode is refused at once (negative ack, counted by reason); the loop g
 Who may do what (README, "Security"): ``Drain``/``Shutdown`` are obeyed only on the operator's
 admin socket (``admin_bind``, by default ``ipc://DIR/admin.sock``, mode 0600: local only) or from a
 peer holding the CURVE ``admin`` key; from anyone else they are refused (``not_admin``) and counted
-in ``teamrl_protocol_auth_refused_total{socket="buffer_rpc"}``. A frame's policy version, or a sample's
+in ``teamrl_protocol_auth_refused_total{socket="buffer_rpc"}``. With CURVE on, every RPC message is
+authorised by the role of the key it came with (``teamrl.protocol.curve.BUFFER_RPC_RIGHTS``: rollout
+Hello/Heartbeat, learner SampleRequest/BufferStatsRequest, admin BufferStatsRequest/Drain/Shutdown);
+anything else is refused as ``not_authorised``, counted the same way, logged at most once per role
+and message type every ``AUTH_LOG_S``, and the loop keeps serving. Without CURVE roles cannot be
+told apart, so only the Drain/Shutdown rule holds. A frame's policy version, or a sample's
 ``min_policy_version`` from anyone but the CURVE ``learner`` key, more than ``policy_version_window``
 above the current version is refused (``policy_version_out_of_range``), counted, and not stored.
 CURVE on the data and RPC sockets comes from the ``[transport]`` table of the same config file
@@ -61,7 +66,7 @@ from teamrl.protocol.control import (
     Shutdown,
     _Message,
 )
-from teamrl.protocol.curve import role_of
+from teamrl.protocol.curve import BUFFER_RPC_RIGHTS, key_roles
 from teamrl.protocol.errors import ProtocolError
 from teamrl.protocol.transport import Frame
 from teamrl.protocol.zmq_transport import RpcServer, ZmqDataReceiver
@@ -75,6 +80,7 @@ MAX_REQUESTS_PER_TURN = 16
 ACK_FLUSH_S = 0.2  # on exit, time for the last acks to leave (sockets close with LINGER 0)
 PRODUCER_TIMEOUT_S = 15.0  # a rollout silent this long (no heartbeat) counts as gone
 MAX_PRODUCERS = 4096  # Hello/Heartbeat bookkeeping kept; the oldest entry goes first past this
+AUTH_LOG_S = 10.0  # one log line per (role, message type) refused at most this often; the counter counts all
 
 
 class ConfigError(SharedConfigError):
@@ -106,6 +112,11 @@ class BufferService:
         self.rpc = RpcServer(
             cfg.sample_bind, self.handle, curve=self.transport.server_curve("buffer_rpc"), name="buffer_rpc"
         )
+        # z85 public key -> role, when keys are per role; None: roles cannot be told apart (plaintext,
+        # or a single CURVE pair with an allow-list folder), so only Drain/Shutdown are restricted
+        curve_dir = self.transport.curve_dir if self.transport.curve else None
+        self._roles: dict[str, str] | None = key_roles(curve_dir) if curve_dir is not None else None
+        self._auth_logged: dict[tuple[str, str], float] = {}
         admin = cfg.admin_bind or f"ipc://{cfg.dir.resolve() / 'admin.sock'}"
         self.admin = RpcServer(admin, self.handle_admin, name="buffer_admin")
         if admin.startswith("ipc://"):
@@ -138,6 +149,9 @@ class BufferService:
         return entry
 
     def handle(self, msg: _Message) -> _Message:
+        refused = self._authorise(msg)
+        if refused is not None:
+            return refused
         if isinstance(msg, SampleRequest):
             return self._sample(msg)
         if isinstance(msg, BufferStatsRequest):
@@ -157,13 +171,7 @@ class BufferService:
             entry["beats"] += 1
             return self.stats()
         if isinstance(msg, (Drain, Shutdown)):
-            if self._peer_role() == "admin":
-                return self.handle_admin(msg)
-            wire_metrics.AUTH_REFUSED.labels(socket="buffer_rpc", reason="not_admin").inc()
-            log.warning(
-                "%s refused: only the operator may stop the buffer (admin socket or admin key)", msg.type
-            )
-            return ErrorReply(reason="not_admin", message=f"{msg.type} is accepted only from the operator")
+            return self.handle_admin(msg)  # authorised above: the admin key
         return ErrorReply(reason="unexpected_request", message=f"the buffer does not serve {msg.type!r}")
 
     def handle_admin(self, msg: _Message) -> _Message:
@@ -179,10 +187,34 @@ class BufferService:
         )
 
     def _peer_role(self) -> str | None:
-        key = self.rpc.peer_key
-        if not key or self.transport.curve_dir is None:
+        """The CURVE role of the request being served (None: plaintext, or no per-role keys)."""
+        if self._roles is None or not self.rpc.peer_key:
             return None
-        return role_of(self.transport.curve_dir, key)
+        return self._roles.get(self.rpc.peer_key)
+
+    def _authorise(self, msg: _Message) -> ErrorReply | None:
+        """None when the sender's role may send ``msg`` on the RPC socket, else the refusal (counted
+        in ``teamrl_protocol_auth_refused_total{socket="buffer_rpc",reason}``, rate-limited log)."""
+        stop = isinstance(msg, (Drain, Shutdown))
+        if self._roles is None:  # roles cannot be told apart: only the operator rule applies
+            return self._deny(msg, None, "not_admin") if stop else None
+        role = self._peer_role()
+        if role is not None and msg.type in BUFFER_RPC_RIGHTS.get(role, ()):
+            if not (isinstance(msg, Hello) and role in ("rollout", "learner") and msg.service != role):
+                return None
+        return self._deny(msg, role, "not_admin" if stop else "not_authorised")
+
+    def _deny(self, msg: _Message, role: str | None, reason: str) -> ErrorReply:
+        wire_metrics.AUTH_REFUSED.labels(socket="buffer_rpc", reason=reason).inc()
+        who = f"the {role} key" if role else ("an unknown key" if self._roles is not None else "a peer")
+        now, key = time.monotonic(), (role or "", msg.type)
+        if now - self._auth_logged.get(key, -AUTH_LOG_S) >= AUTH_LOG_S:
+            self._auth_logged[key] = now
+            log.warning("%s from %s refused (%s); the buffer keeps serving", msg.type, who, reason)
+        what = "only the operator may stop the buffer" if reason == "not_admin" else f"{who} may not send it"
+        return ErrorReply(
+            request_id=getattr(msg, "request_id", -1), reason=reason, message=f"{msg.type}: {what}"
+        )
 
     def _sample(self, req: SampleRequest) -> _Message:
         try:

@@ -15,6 +15,13 @@ Who may connect (the ZAP allow-list each server socket gets; README, "Security")
   ``learner`` samples move the policy version beyond the configured window
 * learner weights PUB and "latest": ``rollout``, ``admin``
 
+What each role may then ask the buffer's RPC socket (``BUFFER_RPC_RIGHTS``, by message ``type``;
+the buffer refuses anything else as ``not_authorised``, or ``not_admin`` for ``Drain``/``Shutdown``):
+``rollout`` Hello (as ``service="rollout"``) and Heartbeat; ``learner`` SampleRequest and
+BufferStatsRequest; ``admin`` BufferStatsRequest, Drain and Shutdown. Without CURVE the buffer
+cannot tell roles apart: every peer may send everything but Drain/Shutdown, which only the local
+admin socket accepts.
+
 Call sequence (the run launcher, once per run; services read the folder through ``[transport]``)::
 
     keys_dir = generate_run_keys(run_dir / "curve")      # -> run_dir / "curve"
@@ -37,6 +44,12 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "learner_weights": ("rollout", "admin"),
 }
 SERVER_ROLE = {"buffer_data": "buffer", "buffer_rpc": "buffer", "learner_weights": "learner"}
+# Per-message authorisation on the buffer's RPC socket: role -> the control message types it may send.
+BUFFER_RPC_RIGHTS: dict[str, frozenset[str]] = {
+    "rollout": frozenset({"hello", "heartbeat"}),
+    "learner": frozenset({"sample_request", "buffer_stats_request"}),
+    "admin": frozenset({"buffer_stats_request", "drain", "shutdown"}),
+}
 
 
 class CurveKeyError(ValueError):
@@ -110,3 +123,11 @@ def role_of(directory: Path, z85_public: str | bytes) -> str | None:
         if p.exists() and _read_key(p) == key:
             return role
     return None
+
+
+def key_roles(directory: Path) -> dict[str, str]:
+    """{z85 public key (as ZAP reports it in ``User-Id``): role} for every role key in ``directory``;
+    read once by a server at start (a rotation restarts it anyway: its ZAP allow-list is fixed too)."""
+    return {
+        public_key(directory, role).decode(): role for role in ROLES if (directory / f"{role}.pub").exists()
+    }

@@ -47,7 +47,8 @@ AUTH_REFUSED = Counter(
     "Connections or requests refused by authentication or authorisation, by socket and reason "
     "(unknown_key: CURVE key not allowed; plaintext: a NULL-security peer at a CURVE socket; "
     "bad_handshake: a CURVE peer without the server's key; not_admin: an operator-only request "
-    "from another peer). Sockets: buffer_data, buffer_rpc, learner_weights, learner_latest.",
+    "from another peer; not_authorised: a request outside the rights of its key's role). "
+    "Sockets: buffer_data, buffer_rpc, learner_weights, learner_latest.",
     ["socket", "reason"],
 )
 
