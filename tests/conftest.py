@@ -54,4 +54,4 @@ def embedded_text_model() -> Path:
     """The embedded-text model (``teamrl model build --kind text``), built once per session."""
     from teamrl.learner.modelbuild_text import build_text, default_text_model_dir
 
-    return _locked_build(default_text_model_dir(), build_text)
+    return _locked_build(default_text_model_dir(), lambda out: build_text(out, measure_n=0))

@@ -53,7 +53,7 @@ def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = Tr
         else:
             from teamrl.learner import modelbuild_text as mb
 
-            make, where = mb.build_text, mb.default_text_model_dir
+            make, where = (lambda: mb.build_text(measure_n=20)), mb.default_text_model_dir
         if build:
             return Path(make())
         if not (where() / "config.json").is_file():
@@ -149,7 +149,6 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "max_lora_rank": team.max_lora_rank,
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
-            "final_version": args.steps,  # the last version is always evaluated
             "reward_scale": reward_scale(args),
         },
     }

@@ -38,12 +38,11 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     from teamrl.learner.engine import LearnerEngine, init_distributed
     from teamrl.protocol import decode_trajectories, encode_trajectories
     from teamrl.protocol.adapters import folder_payload, payload_sha256
+    from teamrl.protocol.children import start_reaper
     from teamrl.protocol.control import Probe
     from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
     from teamrl.rollout.engine import AdapterRefused, EngineConfig, RolloutEngine
     from teamrl.rollout.runner import WorkflowRunner
-
-    from teamrl.protocol.children import start_reaper
 
     start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
     run_dir = Path(args.run_dir)

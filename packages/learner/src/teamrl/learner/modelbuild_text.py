@@ -58,8 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BUILD_VERSION = 1
-DEFAULT_STEPS = 200
+BUILD_VERSION = 2  # 2: float32 warm start
+DEFAULT_STEPS = 120
 VOCAB_SIZE = 4096
 PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -686,8 +686,7 @@ def build_text(
     model.train()
     for step in range(steps):
         ids, labels = make()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _loss(model, ids, labels)
+        loss = _loss(model, ids, labels)  # float32: bf16 autocast was 1.7x slower per step on this CPU
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

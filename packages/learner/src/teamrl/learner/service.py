@@ -305,6 +305,7 @@ class LearnerService:
             probe=probes[self.cfg.adapters[0]],
             base_model=self.model,
             probes=probes,
+            final=self.step >= self.cfg.max_steps,
         )
         self.publisher.publish(msg)
         dt = time.perf_counter() - t0

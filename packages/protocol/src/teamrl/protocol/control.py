@@ -134,6 +134,7 @@ class WeightsPublished(_Message):
     base_model: str = ""
     # adapter name -> its own probe: each adapter named here is verified too before the version is used
     probes: dict[Id, Probe] = Field(default_factory=dict)
+    final: bool = False  # the learner's last version of the run: rollouts evaluate it whatever the interval
 
 
 class LatestWeightsRequest(_Message):

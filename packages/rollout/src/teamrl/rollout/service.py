@@ -90,7 +90,6 @@ class RolloutConfig(BaseModel):
     adapter_dir: str = Field("", description="where received adapters are unpacked; empty = a temp folder")
     eval_interval: int = Field(0, ge=0, description="replica 0: evaluate held-out tasks every N versions")
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
-    final_version: int = Field(0, ge=0, description="also evaluate this version (the run's last; 0: none)")
     start_version: int = Field(
         0, ge=0, description="generate only once this adapter version is live (a resumed run's current one)"
     )
@@ -392,7 +391,8 @@ class RolloutService:
                 first = None  # no learner yet: serve the base weights (version 0) until one announces
             if first is not None:
                 sub._accept(first)
-                await self.apply_weights(first)
+                if await self.apply_weights(first) and first.final:
+                    await self.maybe_evaluate(final=True)
             try:
                 profiles = await asyncio.to_thread(sub.latest_profiles, 1000)
             except PeerTimeout:
@@ -425,7 +425,7 @@ class RolloutService:
                 if msg is not None:
                     last_heard = time.monotonic()
                     await self.apply_weights(msg)
-                    await self.maybe_evaluate()
+                    await self.maybe_evaluate(final=bool(getattr(msg, "final", False)))
         finally:
             sub.close()
 
@@ -490,11 +490,15 @@ class RolloutService:
                 said = waited
             await asyncio.sleep(0.2)
 
-    async def maybe_evaluate(self) -> None:
+    async def maybe_evaluate(self, final: bool = False) -> None:
+        """Evaluate the live version when it is the first one at or past the next multiple of
+        ``eval_interval`` (versions can be skipped when the learner outpaces loading), or when the
+        learner announced it as the run's last."""
         if self.eval_file is None or self.cfg.eval_interval == 0:
             return
-        v = self.engine.version
-        if (v % self.cfg.eval_interval and v != self.cfg.final_version) or v in self._evaluated:
+        v, k = self.engine.version, self.cfg.eval_interval
+        last = max(self._evaluated, default=-1)
+        if v in self._evaluated or not (final or v // k > last // k):
             return
         self._evaluated.add(v)
         t0 = time.time()
