@@ -32,10 +32,11 @@ RUN if [ "$VARIANT" = gpu ]; then unset PIP_EXTRA_INDEX_URL; fi \
 FROM ${PYTHON_IMAGE} AS runtime
 ARG VARIANT
 # tini as PID 1 forwards SIGTERM to the service (which drains/checkpoints) and reaps children;
-# libnuma and libgomp are loaded by vLLM's CPU backend and torch.
+# libnuma and libgomp are loaded by vLLM's CPU backend and torch; bubblewrap isolates code-reward
+# candidates (the reward falls back to its process sandbox, logged, where the pod cannot use it).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends tini libnuma1 libgomp1 \
+    && apt-get install -y --no-install-recommends tini libnuma1 libgomp1 bubblewrap \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 teamrl \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin teamrl
