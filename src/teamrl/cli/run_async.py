@@ -34,6 +34,7 @@ from teamrl.cli.supervisor import Service, Supervisor
 from teamrl.rollout.cpus import core_shares
 
 MAX_RESTARTS = 3  # a service that dies is started again this many times (each service its own budget)
+FINAL_EVAL_WAIT_S = 300.0  # a rollout restarted near the end needs its vLLM start-up before it can evaluate
 STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
 
 
@@ -332,8 +333,11 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
                 if not args.eval_interval or any(e.get("version") == final for e in evals):
                     break
                 final_wait_started = final_wait_started or time.time()
-                if time.time() - final_wait_started > 120:
-                    print("[teamrl] no final evaluation after 120 s; stopping", file=sys.stderr)
+                if time.time() - final_wait_started > FINAL_EVAL_WAIT_S:
+                    print(
+                        f"[teamrl] no evaluation of the final version v{final} after {FINAL_EVAL_WAIT_S:.0f} s; stopping",
+                        file=sys.stderr,
+                    )
                     break
     finally:
         view.close()

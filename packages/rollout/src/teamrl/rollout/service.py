@@ -391,8 +391,10 @@ class RolloutService:
                 first = None  # no learner yet: serve the base weights (version 0) until one announces
             if first is not None:
                 sub._accept(first)
-                if await self.apply_weights(first) and first.final:
-                    await self.maybe_evaluate(final=True)
+                await self.apply_weights(first)
+            # The first evaluation waits for this answer: a restarted rollout evaluates the run's
+            # current version (not the base weights it starts with); a fresh run evaluates v0.
+            await self.maybe_evaluate(final=first is not None and first.final)
             try:
                 profiles = await asyncio.to_thread(sub.latest_profiles, 1000)
             except PeerTimeout:
@@ -665,7 +667,6 @@ class RolloutService:
         beats = asyncio.create_task(self.heartbeat_loop())
         try:
             await self.wait_for_version()
-            await self.maybe_evaluate()
             await self.produce()
         finally:
             self.stopping = True
