@@ -205,3 +205,27 @@ def test_nested_msgpack_bomb_on_the_rpc_socket(tmp_path: Path, kind: str) -> Non
         dealer.close(0)
         ctx.term()
         svc.close()
+
+
+@pytest.mark.parametrize("agent_id", ["", "a" * 257])
+def test_frame_with_an_unnameable_agent_id_is_refused(tmp_path: Path, agent_id: str) -> None:
+    """Found by tests/unit/protocol/test_service_fuzz.py: one stored step with agent id "" made every
+    later BufferStats reply (stats, Hello, Heartbeat) fail its schema (handler_error)."""
+    svc = _service(tmp_path)
+    sender = ZmqDataSender(svc.receiver.endpoint, "rollout-ids", window=4, ack_timeout_s=5)
+    rpc = RpcClient(svc.rpc.endpoint, timeout_ms=5000)
+    try:
+        batch = example_trajectories(2, seed=4, tokens=8)
+        batch[1].steps[0].agent_id = agent_id
+        before = svc.buffer.rejected["invalid_agent_id"]
+        sender.send(encode_trajectories(batch))
+        _pump(svc, lambda: sender._pump(0) or sender.unacked == 0)
+        assert sender.peer_rejected == 1 and svc.buffer.size == 0
+        assert svc.buffer.rejected["invalid_agent_id"] == before + 1
+        out = {}
+        _call_while_serving(svc, lambda: out.setdefault("r", rpc.call(BufferStatsRequest())))
+        assert out["r"].type == "buffer_stats"
+    finally:
+        sender.close()
+        rpc.close()
+        svc.close()

@@ -113,6 +113,17 @@ class VersionOutOfRange(ReplayBufferError):
     reason = "policy_version_out_of_range"
 
 
+MAX_AGENT_ID_CHARS = 256  # as teamrl.protocol.control.Id (BufferStats.per_agent keys, SampleRequest)
+
+
+class InvalidAgentId(ReplayBufferError):
+    """A step's agent id is empty or longer than ``MAX_AGENT_ID_CHARS``: no control message could
+    name it (one such frame made every later BufferStats reply fail its schema), so the frame is
+    refused, counted, and nothing changes."""
+
+    reason = "invalid_agent_id"
+
+
 # --------------------------------------------------------------------------------------------
 # rate limiter
 
@@ -403,6 +414,12 @@ class ReplayBuffer:
                 f"policy version {top} is more than version_window={self.version_window} above the "
                 f"current version {self.current_version}"
             )
+        bad = next(
+            (a for r in rows for a in r.steps_per_agent() if not 1 <= len(a) <= MAX_AGENT_ID_CHARS), None
+        )
+        if bad is not None:  # before any state changes, like the version check
+            self.count_rejected(InvalidAgentId.reason)
+            raise InvalidAgentId(f"agent id of {len(bad)} characters: 1..{MAX_AGENT_ID_CHARS} allowed")
         if source is not None:
             inc, seq = source
             seen = self._seen.get(inc)

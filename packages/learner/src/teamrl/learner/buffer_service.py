@@ -47,7 +47,7 @@ import sys
 import time
 from typing import Any
 
-from teamrl.learner.buffer import Refused, ReplayBuffer, SegmentStore, VersionOutOfRange
+from teamrl.learner.buffer import InvalidAgentId, Refused, ReplayBuffer, SegmentStore, VersionOutOfRange
 from teamrl.learner.buffer_config import BufferConfig
 from teamrl.protocol import metrics as wire_metrics
 from teamrl.protocol.codec import decode_batches
@@ -263,7 +263,7 @@ class BufferService:
             return
         try:
             res = self.buffer.insert(trajectories, source=(frame.incarnation, frame.seq), now=now)
-        except VersionOutOfRange as e:  # counted by the buffer; refused for good, never stored
+        except (VersionOutOfRange, InvalidAgentId) as e:  # counted by the buffer; refused, never stored
             log.warning("refused frame %s/%d: %s", frame.incarnation, frame.seq, e)
             self.receiver.reject(frame, e.reason)
             return
