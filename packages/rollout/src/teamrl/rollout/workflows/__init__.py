@@ -8,8 +8,8 @@ name            agents and D                                            tasks (`
 ==============  ======================================================  =========================
 addition-duo    solver -> verifier (static; what ``teamrl run`` runs)   ``addition`` (embedded)
 addition-trio   solver -> verifier, rejection routes back (<= 2)        ``addition``
-math-duo        planner -> solver                                       ``math-gen`` or JSONL
-math-trio       planner -> solver -> verifier, routes back (<= 2)       ``math-gen`` or JSONL
+math-duo        planner -> solver                                       ``math-word`` or JSONL
+math-trio       planner -> solver -> verifier, routes back (<= 2)       ``math-word`` or JSONL
 code-reflect    coder -> reviewer (python tool) -> coder                ``humaneval``
 search-qa       searcher (BM25 tool, <= 2 calls) -> answerer            ``search-qa``
 ==============  ======================================================  =========================

@@ -50,7 +50,7 @@ def _common(roles: list[str]) -> dict[str, Any]:
     return {
         "models": {MODEL: {"path": ""}},
         "adapters": {f"{r}-lora": {"model": MODEL, "rank": 8} for r in roles},
-        "tasks": {"builtin": "math-gen"},
+        "tasks": {"builtin": "math-word"},  # generated 2-3 step word problems with a held-out split
     }
 
 
