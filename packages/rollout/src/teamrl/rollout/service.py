@@ -209,6 +209,7 @@ class _Http(http.server.ThreadingHTTPServer):
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Http
+    timeout = 10.0  # seconds a connection may sit idle: a slow or silent client cannot hold a thread
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
