@@ -134,6 +134,7 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "logprob_tolerance": None,
             "checkpoint_interval": args.checkpoint_interval,
             "publish_mode": "inline",
+            "linger_s": 600.0,  # the launcher stops it once the final version is evaluated
             "seed": args.seed,
             "probe_prompt": list(team.probe_prompt),
             "probe_completion": list(team.probe_completion),

@@ -327,7 +327,10 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
                     )
                 rc = 1
                 break
-            learners_done = all(not s.alive for s in sup.services if s.name.startswith("learner"))
+            # done: every step written (a finished learner lingers, serving its final version until
+            # the last evaluation), or every learner exited
+            learners_done = bool(rows) and rows[-1]["step"] + 1 >= args.steps
+            learners_done |= all(not s.alive for s in sup.services if s.name.startswith("learner"))
             if learners_done:
                 final = rows[-1]["version"] if rows else 0
                 if not args.eval_interval or any(e.get("version") == final for e in evals):

@@ -193,6 +193,12 @@ class LearnerConfig(_Strict):
         2, ge=0, description="profile rounds read episodes of the last k+1 profile versions"
     )
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
+    linger_s: float = Field(
+        0.0,
+        ge=0,
+        description="after the last step, keep serving the final version on the weights endpoints this "
+        "long (or until SIGTERM), so a rollout that restarts late can still load and evaluate it",
+    )
     inline_max_bytes: int = Field(
         8 * 1024 * 1024, ge=0, description="adapter payloads up to this size travel inline over ZeroMQ"
     )

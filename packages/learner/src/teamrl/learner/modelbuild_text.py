@@ -157,7 +157,9 @@ def workflows_fingerprint() -> str:
     """A hash of the text workflows' definitions: a changed profile or template means a rebuild."""
     from teamrl.rollout.workflows import BUILTIN
 
-    defs = [{k: v for k, v in BUILTIN[n].items() if k not in ("tasks", "description")} for n in TEXT_WORKFLOWS]
+    defs = [
+        {k: v for k, v in BUILTIN[n].items() if k not in ("tasks", "description")} for n in TEXT_WORKFLOWS
+    ]
     blob = json.dumps(defs, sort_keys=True, default=str)  # what the prompts are made of, not task sources
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

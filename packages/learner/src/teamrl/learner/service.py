@@ -91,7 +91,11 @@ def drop_rows_from(path: Path, step: int) -> int:
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
         os.replace(tmp, path)
-        log.info("metrics.jsonl: dropped %d row(s) from step %d on (they are redone after the resume)", dropped, step)
+        log.info(
+            "metrics.jsonl: dropped %d row(s) from step %d on (they are redone after the resume)",
+            dropped,
+            step,
+        )
     return dropped
 
 
@@ -333,7 +337,9 @@ class LearnerService:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         if self.rank == 0:
-            drop_rows_from(self.run_dir / "metrics.jsonl", self.step)  # steps redone after a resume: once each
+            drop_rows_from(
+                self.run_dir / "metrics.jsonl", self.step
+            )  # steps redone after a resume: once each
         metrics_f = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
         t_begin = float(os.environ.get("TEAMRL_RUN_T0", time.time()))
         if self.publisher is not None and self.version > 0:
@@ -364,6 +370,8 @@ class LearnerService:
                     )
                 if self.step % self.cfg.checkpoint_interval == 0:
                     self.checkpoint()
+            if self.step >= self.cfg.max_steps and self.publisher is not None:
+                self.linger()
         finally:
             if self.step > 0 and not (self.run_dir / "checkpoints" / f"step-{self.step:06d}" / DONE).exists():
                 self.checkpoint()
@@ -372,6 +380,15 @@ class LearnerService:
             self.close()
         log.info("learner stopped at step %d, version %d (%s)", self.step, self.version, self.stop_reason)
         return 0
+
+    def linger(self) -> None:
+        """Serve the final version (latest endpoint, a background thread) for ``linger_s`` or until a
+        signal, after the last step."""
+        if self.cfg.linger_s > 0:
+            log.info("done: serving v%d for up to %.0f s (until SIGTERM)", self.version, self.cfg.linger_s)
+        deadline = time.monotonic() + self.cfg.linger_s
+        while self.stop_reason is None and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def one_step(self, t_begin: float) -> dict[str, Any]:
         t0 = time.perf_counter()
