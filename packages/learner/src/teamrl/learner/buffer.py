@@ -34,7 +34,7 @@ Design decisions:
   keys are held and how often they were sampled, the segments it needs) becomes valid only once
   its ``DONE`` marker exists. The service acks frames only after the checkpoint that covers them,
   so after a crash the state is exactly the last complete checkpoint and producers resend the
-  rest (RELIABILITY.md R2). Segment rows past a checkpoint are never read back.
+  rest (docs/reliability.md R-kill-buffer). Segment rows past a checkpoint are never read back.
 """
 
 from __future__ import annotations

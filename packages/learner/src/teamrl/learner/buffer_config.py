@@ -1,6 +1,6 @@
 """Typed configuration of the replay buffer service, read from the ``[buffer]`` table of a TOML file.
 
-Config does not intrude (STYLE.md habit 4): ``ReplayBuffer`` takes plain keyword arguments and
+``ReplayBuffer`` takes plain keyword arguments, not this model, and
 ``BufferConfig.buffer_kwargs()`` turns this model into them, so tests build a buffer without a
 file. Validators only check that values agree and raise; nothing is copied between fields.
 

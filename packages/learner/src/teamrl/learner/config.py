@@ -1,9 +1,11 @@
 """``LearnerConfig``: every knob of a learner process, documented field by field.
 
-Design (STYLE.md habits 3 and 4): a pydantic model read from TOML (the ``[learner]`` section, or the
+Design: a pydantic model read from TOML (the ``[learner]`` section, or the
 whole file when it has none); validators only *check* that values agree and raise, they never copy a
-value from one field to another. :meth:`LearnerConfig.engine_kwargs` turns the config into plain
-keyword arguments for :class:`teamrl.learner.engine.LearnerEngine`, which never sees this class.
+value from one field to another (a silent copy hides which value is in force).
+:meth:`LearnerConfig.engine_kwargs` turns the config into plain keyword arguments for
+:class:`teamrl.learner.engine.LearnerEngine`, which never sees this class, so a test builds an engine
+without a config file.
 
 Per-agent overrides are keyed by *adapter name*: agents that share an adapter share its parameters,
 so they necessarily share its optimiser settings too (the rollout workflow defines the

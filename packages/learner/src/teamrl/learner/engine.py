@@ -19,7 +19,7 @@ Design decisions:
   learner group per base (each its own ``teamrl learner`` processes, adapters list and publish endpoint).
 * **Log-probs are recomputed on right-padded rows with explicit position ids 0..L-1** and the logits of
   the response positions only (``P-1+j`` predicts response token ``j``). A left-padded recompute with
-  misaligned positions was measured to collapse training (LEARNING-NOTES.md), so the gap between the
+  misaligned positions was measured to collapse training (docs/architecture.md §7), so the gap between the
   behaviour log-probs and the recomputation on *fresh* rows (sampled with exactly the current weights) is
   a metric, and a gap over ``logprob_tolerance`` raises :class:`LogprobMismatch`.
 * **Advantages** per row (one agent step), ``algorithm`` (docs/algorithms.md §1): GRPO, Dr. GRPO, Dr. MAS

@@ -18,7 +18,7 @@ Decoding treats the bytes as hostile, in this order, each failure a typed ``Prot
    *compressed* record batches are refused before their body is touched -- we never compress, and
    a compressed body is how a 30 kB frame would make us allocate gigabytes (compression bomb);
 3. ``RecordBatch.validate(full=True)`` (``DecodeError``): without it, reading values out of a
-   mutated stream segfaults within a few dozen inputs (measured, RELIABILITY.md);
+   mutated stream segfaults within a few dozen inputs (measured, docs/reliability.md R-fuzz);
 4. field checks, vectorised over whole columns -- one numpy reduction per column of the batch,
    no per-trajectory or per-step Python (``SchemaMismatch`` / ``FrameTooLarge``): no nulls, tight
    offsets, len(response_ids) == len(logprobs), parents point strictly backwards within their own

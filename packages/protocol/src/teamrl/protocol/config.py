@@ -1,7 +1,7 @@
 """Typed transport configuration (read from the run's TOML by the CLI).
 
-Config does not intrude (STYLE.md habit 4): transport classes take plain keyword arguments;
-``sender_kwargs`` / ``receiver_kwargs`` / ``curve_keys`` turn this model into them. Validators only
+Transport classes take plain keyword arguments, not this model, so a test builds them without a config
+file; ``sender_kwargs`` / ``receiver_kwargs`` / ``curve_keys`` turn this model into them. Validators only
 check that values agree and raise; nothing is copied between fields.
 """
 

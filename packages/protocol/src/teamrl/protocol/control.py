@@ -5,7 +5,7 @@ Design: every message is a frozen, strict, ``extra="forbid"`` pydantic model wit
 stay bytes), ``unpack_message`` reverses it. Foreign bytes are unpacked with explicit size limits,
 ``raw=False`` and ``strict_map_key=True``, and the result is then validated against the tagged
 union (strict: no coercion of "1" into 1). About 4% of byte-mutated messages still unpack as
-msgpack (RELIABILITY.md), which is why the schema check after unpacking is not optional. Every
+msgpack (docs/reliability.md R-fuzz), which is why the schema check after unpacking is not optional. Every
 failure raises ``DecodeError`` (not msgpack), ``SchemaMismatch`` (msgpack, wrong shape) or
 ``FrameTooLarge`` and is counted in ``teamrl_protocol_rejected_frames_total{reason}``.
 

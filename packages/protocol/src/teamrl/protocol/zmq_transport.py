@@ -1,6 +1,6 @@
 """ZeroMQ implementation of ``transport.py`` (named so it does not shadow pyzmq).
 
-Socket choices (RELIABILITY.md facts): data goes DEALER (sender, connects) -> ROUTER (receiver,
+Socket choices (docs/architecture.md §4): data goes DEALER (sender, connects) -> ROUTER (receiver,
 binds), never PUB, because PUB drops at its high-water mark (4,955 of 5,000 messages measured).
 Every socket gets bounded high-water marks, ``ZMQ_MAXMSGSIZE`` (an oversized message is discarded
 and its peer disconnected by libzmq; the sender is not told, so its frame is simply never acked and

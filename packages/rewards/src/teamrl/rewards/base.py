@@ -1,10 +1,11 @@
 """The reward interface, weighted composition and the registry.
 
-Design: a reward is any callable ``reward(completion, task) -> RewardResult``. No base class
-(house style: small interfaces, no implementation inheritance). Every reward is *total*: whatever
-the completion is (garbage, an infinite loop, a fork bomb, unparsable math) it returns a result,
-with score 0 and a reason when it cannot score, within its configured timeout. Raising is reserved
-for operator errors (a task record missing a field: ``TaskFormatError``).
+Design: a reward is any callable ``reward(completion, task) -> RewardResult``. No base class:
+any function or object with that call fits, and no reward inherits behaviour it must then override.
+Every reward is *total*: whatever the completion is (garbage, an infinite loop, a fork bomb,
+unparsable math) it returns a result, with score 0 and a reason when it cannot score, within its
+configured timeout. Raising is reserved for operator errors (a task record missing a field:
+``TaskFormatError``).
 
 Call sequence::
 
