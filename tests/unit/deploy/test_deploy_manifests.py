@@ -4,7 +4,7 @@ Design: schema validation (``kubernetes-validate --strict``, offline) catches ty
 required fields, but not what breaks a deployment at run time: a probe that is missing, a
 selector that selects nothing, a PDB with both bounds (it passes the schema), an autoscaler that
 flaps, a port that differs from the one the service binds. Those are checked here on the
-rendered overlays (RELIABILITY.md R10). CRDs (KEDA, Prometheus operator) have no schema in
+rendered overlays (docs/reliability.md R-manifests). CRDs (KEDA, Prometheus operator) have no schema in
 kubernetes-validate, so their required fields are checked by hand.
 """
 

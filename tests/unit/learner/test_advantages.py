@@ -1,4 +1,4 @@
-"""Advantage estimators against the worked examples of ALGORITHMS.md §1, §2, §4, §5d and §7."""
+"""Advantage estimators against the worked examples of docs/algorithms.md §1, §4 and §6."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def zeros_ids(n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long)
 
 
-# §4 GRPO / Dr. GRPO ---------------------------------------------------------------------------------
+# §1 GRPO / Dr. GRPO / Dr. MAS -----------------------------------------------------------------------
 
 
 def test_grpo_sample_std_population_std_and_dr_grpo() -> None:
@@ -125,7 +125,7 @@ def test_agentwise_normalisation_balances_per_agent_grad_norms() -> None:
         assert b_traj / a_traj > 3.0
 
 
-# §1 decomposition, §2 MARFT GAE -----------------------------------------------------------------------
+# §4 decomposition, §6 MARFT GAE -----------------------------------------------------------------------
 
 
 def test_flex_mg_decomposition_example() -> None:
@@ -185,7 +185,7 @@ def test_token_gae_padding_and_unit_token_gamma() -> None:
         token_gae(rewards, values, torch.zeros_like(token_mask), masks, torch.zeros(1))
 
 
-# §7 GAE and whitening, §5d V-trace -----------------------------------------------------------------------
+# §6 GAE, whitening and V-trace ---------------------------------------------------------------------------
 
 
 def test_gae_worked_example() -> None:

@@ -1,4 +1,4 @@
-"""The critic's pure parts: row layout, GAE on rows (vs ALGORITHMS.md §2 and the grid functions), EV."""
+"""The critic's pure parts: row layout, GAE on rows (vs docs/algorithms.md §6 and the grid functions), EV."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from teamrl.learner.critic import (
 
 
 def test_action_level_worked_example() -> None:
-    # ALGORITHMS.md §2: 1 step, 2 agents, V = [0.4, 0.6], r = [0, 1], γ = 0.99, λ = 0.95
+    # docs/algorithms.md §6: 1 step, 2 agents, V = [0.4, 0.6], r = [0, 1], γ = 0.99, λ = 0.95
     adv, ret = action_level_gae(
         torch.tensor([0.0, 1.0]), torch.tensor([0.4, 0.6]), torch.tensor([0, 0]), 1, 0.99, 0.95
     )

@@ -1,4 +1,4 @@
-"""Byte-mutation fuzzing of both decoders (RELIABILITY.md R5), in subprocess chunks so that a
+"""Byte-mutation fuzzing of both decoders (docs/reliability.md R-fuzz), in subprocess chunks so that a
 segfault fails its chunk instead of killing pytest: 20,000 Arrow and 100,000 msgpack frames, every
 one a valid decode or a typed, counted ProtocolError."""
 
