@@ -60,7 +60,14 @@ async def _run(args: argparse.Namespace) -> dict:
         team = plan_team(args.workflow, model, tasks_path=args.tasks)
     except (PlanError, WorkflowError) as e:
         raise SystemExit(f"teamrl eval: {e}") from None
-    eng = RolloutEngine(EngineConfig(model=model, seed=args.seed, max_lora_rank=team.max_lora_rank))
+    eng = RolloutEngine(
+        EngineConfig(
+            model=model,
+            seed=args.seed,
+            max_lora_rank=team.max_lora_rank,
+            lora_target_modules=tuple(team.target_modules),
+        )
+    )
     runner = WorkflowRunner(args.workflow, eng, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
     await eng.start()

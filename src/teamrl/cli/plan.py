@@ -148,6 +148,7 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "num_replicas": args.rollouts,
             "seed": args.seed,
             "max_lora_rank": team.max_lora_rank,
+            "lora_target_modules": list(team.target_modules),
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
             "reward_scale": reward_scale(args),

