@@ -174,18 +174,6 @@ def _on(endpoint: str, addr: str) -> str:
     return f"tcp://{addr}:{u.port}"
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
 def scrape(ns: str, url: str, tries: int = 3) -> dict[str, float] | None:
     """``{sample name: value summed over labels}`` of a /metrics URL, fetched from inside ``ns``.
 
@@ -253,8 +241,14 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
     # needs fresh data from rollout A: a growing metrics.jsonl then proves A alone feeds it.
     buf_cfg = {**shipped["buffer"], "group_size": GROUP, "min_size": BATCH, "fsync": False}
     buf_cfg.update(checkpoint_interval_s=0.5, max_times_sampled=1, sampler="fifo")
-    cfg_file = tmp_path / "buffer.toml"
-    cfg_file.write_text("[buffer]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in buf_cfg.items()))
+    # The shipped [transport] points at the Kubernetes Secret's mount; here the four hosts share a
+    # key set made for the test, so every link runs with CURVE exactly as deployed.
+    from teamrl.cli.config import _to_toml
+    from teamrl.protocol.curve import generate_run_keys
+
+    transport = {**shipped.get("transport", {}), "curve_dir": str(generate_run_keys(tmp_path / "curve"))}
+    cfg_file = tmp_path / "teamrl.toml"
+    cfg_file.write_text(_to_toml({**shipped, "buffer": buf_cfg, "transport": transport}) + "\n")
     buffer_dir, run_dir, logs = tmp_path / "buffer", tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     at = {
@@ -292,7 +286,7 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
             *teamrl,
             "rollout",
             "--config",
-            str(SHIPPED),
+            str(cfg_file),
             "--buffer",
             at["buffer_ingest"],
             "--weights",
@@ -330,7 +324,7 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
                 *teamrl,
                 "learner",
                 "--config",
-                str(SHIPPED),
+                str(cfg_file),
                 "--buffer",
                 at["buffer_sample"],
                 "--publish",
