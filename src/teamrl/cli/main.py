@@ -95,12 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "--kind",
                 choices=["char", "text"],
                 default="char",
-                help="char: the embedded addition model (embedded-v1); text: embedded-text-v1, a small "
+                help="char: the embedded addition model (embedded-v1); text: embedded-text-v2, a small "
                 "BPE-tokenizer model for the text workflows (math-duo, math-trio, code-reflect, search-qa)",
             )
             sp.add_argument(
                 "--out",
-                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1, or embedded-text-v1 for --kind text)",
+                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1, or embedded-text-v2 for --kind text)",
             )
             sp.add_argument(
                 "--steps",

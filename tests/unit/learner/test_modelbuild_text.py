@@ -44,7 +44,7 @@ def test_build_is_deterministic_and_cached(built: Path, tmp_path: Path) -> None:
 
 def test_default_dir_follows_teamrl_cache(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("TEAMRL_CACHE", str(tmp_path))
-    assert mbt.default_text_model_dir() == tmp_path / "models" / "embedded-text-v1"
+    assert mbt.default_text_model_dir() == tmp_path / "models" / f"embedded-text-v{mbt.BUILD_VERSION}"
 
 
 def test_folder_loads_in_transformers_and_renders_the_chat_template(built: Path) -> None:
@@ -129,7 +129,7 @@ def test_cli_model_path_and_kind(monkeypatch, tmp_path: Path, capsys) -> None:
 
     monkeypatch.setenv("TEAMRL_CACHE", str(tmp_path))
     assert main(["model", "path", "--kind", "text"]) == 0
-    assert capsys.readouterr().out.strip() == str(tmp_path / "models" / "embedded-text-v1")
+    assert capsys.readouterr().out.strip() == str(tmp_path / "models" / f"embedded-text-v{mbt.BUILD_VERSION}")
     assert main(["model", "path"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "models" / "embedded-v1")
     assert main(["model", "build", "--kind", "text", "--steps", "0"]) == 2

@@ -85,7 +85,7 @@ DRILL_SHARE = 0.3  # of each batch's tokens: arithmetic drill lines
 
 
 def default_text_model_dir() -> Path:
-    """``$TEAMRL_CACHE/models/embedded-text-v1`` (``~/.cache/teamrl`` when ``TEAMRL_CACHE`` is unset)."""
+    """``$TEAMRL_CACHE/models/embedded-text-v<BUILD_VERSION>`` (``~/.cache/teamrl`` when ``TEAMRL_CACHE`` is unset)."""
     root = Path(os.environ.get("TEAMRL_CACHE", Path.home() / ".cache" / "teamrl"))
     return root / "models" / f"embedded-text-v{BUILD_VERSION}"
 
