@@ -117,7 +117,7 @@ def test_sample_rpc_admits_learner_rollout_admin(transport: TransportConfig) -> 
     thread.start()
     before = {r: _count("buffer_rpc", r) for r in ("unknown_key", "plaintext")}
     clients = [
-        RpcClient(server.endpoint, timeout_ms=5000, curve=transport.client_curve(role, "buffer_rpc"))
+        RpcClient(server.endpoint, timeout_ms=20000, curve=transport.client_curve(role, "buffer_rpc"))
         for role in ("learner", "rollout", "admin")
     ]
     stranger = RpcClient(server.endpoint, timeout_ms=800, curve=_stranger(transport, "buffer"))
@@ -157,7 +157,7 @@ def test_weights_pub_and_latest_admit_only_rollouts_and_admin(transport: Transpo
     ]
     try:
         pub.publish(_weights(1))
-        assert rollout.latest(5000).version == 1  # "latest" RPC with the rollout key
+        assert rollout.latest(20000).version == 1  # "latest" RPC with the rollout key
         for s in intruders:
             with pytest.raises(PeerTimeout):
                 s.latest()
