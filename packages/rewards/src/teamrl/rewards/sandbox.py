@@ -296,6 +296,18 @@ def _bwrap_args(workdir: str) -> list[str]:
                 made.add(d)
             args += ["--ro-bind", keep, keep]
     args += ["--bind", workdir, _SANDBOX_TMP, "--chdir", _SANDBOX_TMP]
+    # An interpreter (e.g. a virtual environment) under /tmp is shadowed by the run's folder:
+    # bind it back read-only at its own path (the folders leading to it are made in the run's folder).
+    made = {_SANDBOX_TMP}
+    for keep in sorted(k for k in interp if k.startswith(_SANDBOX_TMP + "/")):
+        chain, parent = [], os.path.dirname(keep)
+        while parent not in made and parent.startswith(_SANDBOX_TMP + "/"):
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(chain):
+            args += ["--perms", "0755", "--dir", d]
+            made.add(d)
+        args += ["--ro-bind", keep, keep]
     args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--die-with-parent", "--new-session"]
     if os.geteuid() == 0:
