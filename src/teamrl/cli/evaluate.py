@@ -122,7 +122,9 @@ async def _run(args: argparse.Namespace) -> dict:
     for agent, xs in per_agent.items():
         out[f"reward/{agent}"] = sum(xs) / len(xs)
     wf = runner.workflow
-    extra = evaluation_metrics(trajs, verifier_agents(wf), answer_agents(wf))
+    extra = evaluation_metrics(
+        trajs, verifier_agents(wf), answer_agents(wf), getattr(wf.reward_fn(), "verdict", None)
+    )
     out.update(
         {
             k: v

@@ -63,3 +63,19 @@ def test_which_agents_answer_and_which_verify_come_from_the_workflow() -> None:
 
     assert answer_agents(Workflow.from_dict(data)) == ["verifier"]
     assert verifier_agents(load("math-duo")) == []
+
+
+def test_an_unparsable_verdict_is_neither_an_accept_nor_a_reject() -> None:
+    def verdict(text: str):
+        return {"VERDICT: correct": True, "VERDICT: wrong": False}.get(text)
+
+    def duo_text(solver_ok: bool, text: str):
+        steps = [step("solver", float(solver_ok)), step("verifier", 0.0, [0])]
+        steps[1].response_text = text
+        return SimpleNamespace(reward=float(solver_ok), steps=steps)
+
+    babble = [duo_text(i < 3, "the answer") for i in range(10)]  # never a verdict
+    m = evaluation_metrics(babble, ["verifier"], ["solver"], verdict)
+    assert m["verifier_accept_rate"] == 0.0 and m["verifier_balanced_accuracy"] == 0.0
+    right = [duo_text(True, "VERDICT: correct"), duo_text(False, "VERDICT: wrong")]
+    assert evaluation_metrics(right, ["verifier"], ["solver"], verdict)["verifier_balanced_accuracy"] == 1.0

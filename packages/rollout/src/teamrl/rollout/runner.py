@@ -12,7 +12,7 @@ Held-out tasks (:func:`teamrl.rollout.team.split_tasks`): the workflow's task se
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,9 @@ class WorkflowRunner:
         trajs = await asyncio.gather(
             *[self.episode(t, 0, group_id=f"eval-{i}", greedy=True) for i, t in enumerate(tasks)]
         )
-        return evaluation_metrics(trajs, verifier_agents(self.workflow), answer_agents(self.workflow))
+        wf = self.workflow
+        verdict = getattr(wf.reward_fn(), "verdict", None)
+        return evaluation_metrics(trajs, verifier_agents(wf), answer_agents(wf), verdict)
 
 
 def verifier_agents(wf: Any) -> list[str]:
@@ -119,7 +121,10 @@ def answer_agents(wf: Any) -> list[str]:
 
 
 def evaluation_metrics(
-    trajs: Sequence[Any], verifiers: Sequence[str] = (), answers: Sequence[str] = ()
+    trajs: Sequence[Any],
+    verifiers: Sequence[str] = (),
+    answers: Sequence[str] = (),
+    verdict: Callable[[str], bool | None] | None = None,
 ) -> dict[str, float]:
     """What a held-out evaluation reports, for any workflow (docs/workflows.md, "Evaluation").
 
@@ -128,10 +133,13 @@ def evaluation_metrics(
     * ``first_try_accuracy``: mean reward of each episode's first step by an answering agent
       (``answers``), reported when some agent acted twice in an episode (the team routed back), to
       compare with the team's reward after routing;
-    * for each verifier agent ``v`` (a 0/1 verdict on the answer step it read): ``v_accept_rate`` and
+    * for each verifier agent ``v`` (a verdict on the answer step it read): ``v_accept_rate`` and
       ``v_balanced_accuracy``, the mean of its true-accept rate (accepts among correct answers) and
       true-reject rate (rejects among wrong answers). A constant verdict scores 0.5 there, whatever
-      the class balance, where its plain accuracy would be the share of the majority class.
+      the class balance, where its plain accuracy would be the share of the majority class. The
+      verdict is read from the step's text by ``verdict`` (the reward's own parser: True accept,
+      False reject, None unparsable, which counts as neither); without one it is inferred from the
+      0/1 step reward (a wrong or unparsable verdict scores 0).
     """
     out = {"reward_mean": sum(float(t.reward) for t in trajs) / max(1, len(trajs))}
     per: dict[str, list[float]] = {}
@@ -146,8 +154,9 @@ def evaluation_metrics(
             seen.add(s.agent_id)
             if s.agent_id in verdicts and len(s.parents):
                 answer = t.steps[int(s.parents[-1])]
-                ok, right = float(answer.reward) >= 1.0, float(s.reward) >= 1.0
-                verdicts[s.agent_id].append((ok, ok == right))
+                ok = float(answer.reward) >= 1.0
+                said = verdict(s.response_text) if verdict is not None else ok == (float(s.reward) >= 1.0)
+                verdicts[s.agent_id].append((ok, said))
             if s.agent_id in answers and not any(x.agent_id in answers for x in t.steps[:i]):
                 firsts.append(float(s.reward))
     for agent, xs in per.items():
@@ -157,10 +166,10 @@ def evaluation_metrics(
     for v, pairs in verdicts.items():
         if not pairs:
             continue
-        good = [acc for ok, acc in pairs if ok]
-        bad = [acc for ok, acc in pairs if not ok]
-        out[f"{v}_accept_rate"] = sum(acc for _, acc in pairs) / len(pairs)
+        good = [said is True for ok, said in pairs if ok]  # accepted, among correct answers
+        bad = [said is False for ok, said in pairs if not ok]  # rejected, among wrong answers
+        out[f"{v}_accept_rate"] = sum(said is True for _, said in pairs) / len(pairs)
         rates = [sum(good) / len(good)] if good else []
-        rates += [1.0 - sum(bad) / len(bad)] if bad else []
+        rates += [sum(bad) / len(bad)] if bad else []
         out[f"{v}_balanced_accuracy"] = sum(rates) / len(rates)
     return out

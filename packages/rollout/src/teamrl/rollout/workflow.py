@@ -763,6 +763,12 @@ class AdditionReward:
     def _answers(self, a: ActView) -> bool:
         return a.agent_id == self.answer_agent if self.answer_agent else a.role == "solver"
 
+    def verdict(self, text: str) -> bool | None:
+        """A verifier's verdict in ``text``: True accept, False reject, None unparsable."""
+        from teamrl.rewards import addition
+
+        return addition.verifier_verdict(text)
+
     def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
         from teamrl.rewards import addition
 
@@ -845,6 +851,10 @@ class OutcomeReward:
 
     def _answers(self, a: ActView) -> bool:
         return a.agent_id == self.answer_agent if self.answer_agent else a.role == self.answer_role
+
+    def verdict(self, text: str) -> bool | None:
+        """A verifier's verdict in ``text``: True accept, False reject, None unparsable."""
+        return True if self.accept.search(text) else False if self.reject.search(text) else None
 
 
 REWARD_FUNCTIONS: dict[str, Callable[..., RewardFunction]] = {
