@@ -48,7 +48,7 @@ def _probe_logprobs(model: str, adapter_dir: Path, prompt: list[int], completion
 async def _run(args: argparse.Namespace) -> dict:
     from teamrl.cli.plan import PlanError, resolve_model, workflow_model_path
     from teamrl.rollout.engine import EngineConfig, RolloutEngine
-    from teamrl.rollout.runner import WorkflowRunner, answer_agents, evaluation_metrics, verifier_agents
+    from teamrl.rollout.runner import WorkflowRunner, workflow_metrics
     from teamrl.rollout.team import plan_team
     from teamrl.rollout.workflow import WorkflowError
 
@@ -121,10 +121,7 @@ async def _run(args: argparse.Namespace) -> dict:
         ) / len(per_task)
     for agent, xs in per_agent.items():
         out[f"reward/{agent}"] = sum(xs) / len(xs)
-    wf = runner.workflow
-    extra = evaluation_metrics(
-        trajs, verifier_agents(wf), answer_agents(wf), getattr(wf.reward_fn(), "verdict", None)
-    )
+    extra = workflow_metrics(trajs, runner.workflow)
     out.update(
         {
             k: v

@@ -19,7 +19,14 @@ from typing import Any
 from teamrl.rollout.team import split_tasks
 from teamrl.rollout.workflows import load, shard
 
-__all__ = ["WorkflowRunner", "answer_agents", "evaluation_metrics", "shard", "verifier_agents"]
+__all__ = [
+    "WorkflowRunner",
+    "answer_agents",
+    "evaluation_metrics",
+    "shard",
+    "verifier_agents",
+    "workflow_metrics",
+]
 
 
 class WorkflowRunner:
@@ -99,9 +106,13 @@ class WorkflowRunner:
         trajs = await asyncio.gather(
             *[self.episode(t, 0, group_id=f"eval-{i}", greedy=True) for i, t in enumerate(tasks)]
         )
-        wf = self.workflow
-        verdict = getattr(wf.reward_fn(), "verdict", None)
-        return evaluation_metrics(trajs, verifier_agents(wf), answer_agents(wf), verdict)
+        return workflow_metrics(trajs, self.workflow)
+
+
+def workflow_metrics(trajs: Sequence[Any], wf: Any) -> dict[str, float]:
+    """:func:`evaluation_metrics` with the workflow's verifiers, answering agents and verdict parser."""
+    verdict = getattr(wf.reward_fn(), "verdict", None)
+    return evaluation_metrics(trajs, verifier_agents(wf), answer_agents(wf), verdict)
 
 
 def verifier_agents(wf: Any) -> list[str]:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,6 @@ class TeamPlan:
     probe_completion: list[int]
     train_size: int
     held_out_size: int
-    binary_agents: list[str] = field(default_factory=list)  # agents whose step reward is 0/1 by design
 
     def summary(self) -> str:
         ranks = ", ".join(f"{a} (r={r}; {', '.join(self.shared_by[a])})" for a, r in self.adapters.items())
@@ -194,20 +193,7 @@ def plan_team(
         probe_completion=completion,
         train_size=len(train),
         held_out_size=len(held),
-        binary_agents=binary_agents(wf),
     )
-
-
-def binary_agents(wf: Workflow) -> list[str]:
-    """Agents whose step reward is a 0/1 verdict or answer score by the reward's design."""
-    if wf.reward is None:
-        return []
-    if wf.reward.name == "addition":
-        return [a.id for a in wf.agents]
-    if wf.reward.name == "outcome":
-        roles = {wf.reward.kwargs.get("verifier_role"), wf.reward.kwargs.get("answer_role", "solver")}
-        return [a.id for a in wf.agents if a.role in roles or a.id == wf.reward.answer_from]
-    return []
 
 
 def _tokenizer(model_dir: Path) -> Tokenizer:
@@ -262,8 +248,3 @@ def _probe_completion(tok: Tokenizer, task: Mapping[str, Any]) -> list[int]:
         if ids:
             break
     return ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
-
-
-def check_numbers(values: Mapping[str, float | int], rules: Sequence[tuple[str, float]]) -> list[str]:
-    """``name >= minimum`` for each rule: the problems, one line each (empty when all hold)."""
-    return [f"{k} must be >= {lo} (got {values[k]})" for k, lo in rules if values[k] < lo]
