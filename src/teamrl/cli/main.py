@@ -78,6 +78,18 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace, list[str]], int] | 
 }
 
 
+SERVICES = ("rollout", "buffer", "learner")  # long-lived processes a supervisor may have to kill
+
+
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack to stderr (the service's log). A supervisor does
+    this before it SIGKILLs a service that ignored SIGTERM, so the log says where it was stuck."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="teamrl",
@@ -128,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if name == "model":
         args = parser.parse_args(argv)
         return COMMANDS[name][1](args, [])
+    if name in SERVICES:
+        _stacks_on_sigusr1()
     args = argparse.Namespace(cmd=name)
     try:
         return COMMANDS[name][1](args, argv[1:])

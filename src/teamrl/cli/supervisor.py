@@ -28,6 +28,7 @@ from teamrl.protocol.children import parent_death_preexec
 
 # In each service before exec: SIGTERM when the supervisor dies (the service drains and exits).
 _DIE_WITH_PARENT = parent_death_preexec(signal.SIGTERM)
+STACKS_GRACE_S = 2.0  # between SIGUSR1 (print stacks) and SIGKILL
 
 
 def free_port() -> int:
@@ -44,6 +45,7 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     group_ended: bool = False  # the group of the exited ``proc`` was SIGKILLed (once: pgids recycle)
+    killed: bool = False  # SIGKILLed by ``stop`` after ignoring SIGTERM
 
     def start(self) -> None:
         self.end_group()  # a restart: nothing of the previous incarnation may hold ports or memory
@@ -70,6 +72,27 @@ class Service:
         self.group_ended = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def kill_with_stacks(self, grace: float = STACKS_GRACE_S) -> None:
+        """SIGKILL a service that did not stop in time; first SIGUSR1 asks it to print every thread's
+        stack into its log (``faulthandler``, registered by ``teamrl.cli.main``), so the log says where
+        it was stuck."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)  # the dump is written by a C handler at once; this is slack
+        if self.proc.poll() is None:
+            self.killed = True
+            print(
+                f"[teamrl] {self.name} did not stop after SIGTERM: killed; its thread stacks are at the end of {self.log}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.proc.kill()
+        self.proc.wait()
 
     @property
     def alive(self) -> bool:
@@ -119,7 +142,6 @@ class Supervisor:
                 try:
                     s.proc.wait(max(0.1, deadline - time.time()))
                 except subprocess.TimeoutExpired:
-                    s.proc.kill()
-                    s.proc.wait()
+                    s.kill_with_stacks()
                 s.end_group()
         return {s.name: (s.proc.returncode if s.proc else None) for s in self.services}

@@ -21,7 +21,7 @@ REAL_PYTHON = sys.executable
 FAKE = """\
 #!/bin/sh
 # stands in for `python -m teamrl.cli.main ARGV`: a service that starts one child (its engine)
-[ -n "$FAKE_IGNORE_TERM" ] && trap '' TERM
+[ -n "$FAKE_IGNORE_TERM" ] && trap '' TERM && trap 'echo "stacks asked for" >&2' USR1
 sleep 600 &
 echo $! > "$FAKE_CHILD_PID.tmp" && mv "$FAKE_CHILD_PID.tmp" "$FAKE_CHILD_PID"
 while :; do wait; done
@@ -106,7 +106,9 @@ def test_stop_ends_the_group_of_a_service_that_ignores_sigterm(tmp_path: Path, f
         child = _child(pid_file)
         t0 = time.monotonic()
         codes = sup.stop(timeout=1)
-        assert codes["buffer"] == -signal.SIGKILL and time.monotonic() - t0 < 5
+        assert codes["buffer"] == -signal.SIGKILL and time.monotonic() - t0 < 7
+        assert sup.services[0].killed
+        assert "stacks asked for" in (tmp_path / "b.log").read_text()  # SIGUSR1 came before SIGKILL
         assert _wait_for(lambda: not _alive(child), 5), "the service's child outlived the stop"
     finally:
         _cleanup(sup)
@@ -144,3 +146,24 @@ def test_a_service_gets_sigterm_when_the_supervisor_dies(tmp_path: Path, fake_py
                 os.killpg(svc, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_service_prints_its_thread_stacks_on_sigusr1() -> None:
+    code = (
+        "import sys, time\n"
+        "from teamrl.cli.main import _stacks_on_sigusr1\n"
+        "_stacks_on_sigusr1()\n"
+        "def stuck_here():\n"
+        "    print('ready', flush=True); time.sleep(60)\n"
+        "stuck_here()\n"
+    )
+    p = subprocess.Popen([REAL_PYTHON, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        p.kill()
+        err = p.communicate(timeout=10)[1]
+        assert "stuck_here" in err and "thread" in err, err
+    finally:
+        p.kill()

@@ -556,7 +556,30 @@ def main(argv: list[str] | None = None) -> int:
         tensorboard=Path(args.tensorboard) if args.tensorboard else None,
         transport=transport,
     )
-    return svc.run()
+    rc = svc.run()
+    _end_process(rc)
+    return rc  # not reached
+
+
+def _end_process(rc: int) -> None:
+    """End the learner process once ``run`` has returned.
+
+    By then everything the learner owes is durable: the last checkpoint has its DONE marker,
+    ``metrics.jsonl`` is closed, the adapters are published and the sockets closed. The interpreter's
+    own teardown (torch.distributed with DeepSpeed's shared-memory op, their threads) once hung after
+    "learner stopped" was logged, until the launcher's SIGKILL 60 s later turned a finished run into a
+    failed one; so the process group is destroyed here and the process ends without that teardown."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001  (ending anyway: this is only tidiness)
+        log.warning("destroying the process group failed: %s", e)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":
