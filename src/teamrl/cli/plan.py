@@ -120,8 +120,10 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "base_model": model,
             "adapters": list(ranks),
             "lora": {"rank": max(ranks.values()), "target_modules": list(team.target_modules)},
-            "agents": {a: {"rank": r} for a, r in ranks.items()},
-            "temperature": team.temperature,
+            "agents": {
+                a: {"rank": r, "temperature": team.temperatures[a], **team.optimiser[a]}
+                for a, r in ranks.items()
+            },
             "batch_size": batch,
             "micro_batch_rows": 256,
             "lr": args.lr,

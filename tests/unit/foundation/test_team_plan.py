@@ -66,7 +66,7 @@ def test_plan_takes_adapters_ranks_targets_probe_and_split_from_the_workflow(tmp
     assert team.adapters == {"solver-lora": 8, "verifier-lora": 8}
     assert team.shared_by == {"solver-lora": ["solver"], "verifier-lora": ["verifier"]}
     assert team.target_modules == ["q_proj", "v_proj"]  # what the architecture has, not a fixed list
-    assert team.max_lora_rank == 8 and team.temperature == 1.0
+    assert team.max_lora_rank == 8 and set(team.temperatures.values()) == {1.0}
     assert team.train_size == 9800 and team.held_out_size == 200
     assert team.probe_prompt[0] == 1 and team.probe_completion[-1] == 14  # <bos>S.. -> digits, EOS
     shared = plan_team("addition-duo-shared", model)
@@ -219,3 +219,73 @@ def test_run_config_file_sets_flags_and_service_tables(tmp_path: Path) -> None:
     assert lrn["kl_coef"] == 0.01 and lrn["lora"]["alpha"] == 32.0 and lrn["lora"]["target_modules"]
     assert lrn["max_steps"] == 9 and p.config["rollout"]["eval_tasks"] == 5
     assert lrn["probe_prompt"] == p.team.probe_prompt
+
+
+def test_each_adapter_gets_its_agents_temperature_and_the_workflows_optimiser_settings(
+    tmp_path: Path,
+) -> None:
+    """Dr. MAS: per-agent sampling and optimisation. Each adapter's temperature is its agents'; an
+    adapter's [adapters.X] lr/clip/kl/micro-batch reach [learner.agents.X]; --set still overrides."""
+    import argparse
+
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+
+    model = fake_model(tmp_path / "m")
+    data = load("addition-duo").model_dump(mode="json")
+    for a in data["agents"]:
+        a["sampling"]["temperature"] = {"solver": 0.7, "verifier": 1.3}[a["id"]]
+    data["adapters"]["verifier-lora"].update(lr=5e-5, kl_coef=0.02, micro_batch_rows=8)
+    path = write_workflow(tmp_path / "w.toml", agents=data["agents"], adapters=data["adapters"])
+    team = plan_team(path, model)
+    assert team.temperatures == {"solver-lora": 0.7, "verifier-lora": 1.3}
+    args = parse_args(
+        ["--workflow", str(path), "--model", str(model), "--set", "learner.agents.solver-lora.clip_high=0.3"],
+        "teamrl run",
+        None,
+        "r",
+    )
+    assert isinstance(args, argparse.Namespace)
+    agents = plan(args).config["learner"]["agents"]
+    assert agents["verifier-lora"] == {
+        "rank": 8,
+        "temperature": 1.3,
+        "lr": 5e-5,
+        "kl_coef": 0.02,
+        "micro_batch_rows": 8,
+    }
+    assert agents["solver-lora"] == {"rank": 8, "temperature": 0.7, "clip_high": 0.3}
+
+
+@pytest.mark.parametrize(
+    "sampling,pattern",
+    [
+        (
+            {"solver": {"temperature": 0.5}},
+            r"agents 'solver' and 'verifier' share adapter 'team-lora'.*0.5 and 1.0",
+        ),
+        (
+            {"verifier": {"temperature": 0.0}},
+            r"agent 'verifier' trains adapter 'team-lora' but samples greedily",
+        ),
+        (
+            {"solver": {"top_p": 0.9}},
+            r"agent 'solver' trains adapter 'team-lora' with agents.sampling.top_p = 0.9",
+        ),
+    ],
+)
+def test_sampling_the_learner_cannot_reproduce_is_refused(
+    tmp_path: Path, sampling: dict, pattern: str
+) -> None:
+    model = fake_model(tmp_path / "m")
+    agents = load("addition-duo-shared").model_dump(mode="json")["agents"]
+    for a in agents:
+        a["sampling"].update(sampling.get(a["id"], {}))
+    path = tmp_path / "shared.toml"
+    from teamrl.cli.config import _to_toml
+
+    data = load("addition-duo-shared").model_dump(mode="json") | {"agents": agents}
+    data["reward"] = {k: v for k, v in data["reward"].items() if v not in ("", {})}
+    path.write_text(_to_toml(_clean(data)))
+    with pytest.raises(WorkflowError, match=pattern):
+        plan_team(path, model)

@@ -79,12 +79,12 @@ def _peft(model_dir: Path, out: Path | None = None):
     return peft.eval()
 
 
-def _logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+def _logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
     import torch
 
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
     return [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(response)]
 
 
@@ -205,3 +205,55 @@ def test_addition_trio_routes_on_real_verdicts(setup) -> None:
         # a rejection with retries left leads to another attempt; the episode ends otherwise
         assert all(verdicts[:-1]) and (not verdicts[-1] or len(verdicts) == 3)
         assert len(t.turn_rewards) == len(verdicts) and t.reward == t.turn_rewards[-1]
+
+
+def test_each_agent_records_log_probs_at_its_own_temperature(setup) -> None:
+    """Per-agent sampling (Dr. MAS): the behaviour log-probs are the tempered distribution's, the
+    one each token was drawn from, so the learner's recompute at the agent's temperature agrees."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from teamrl.rewards.addition import make_task
+    from teamrl.rollout.tokenizer import CharTokenizer
+    from teamrl.rollout.workflow import Workflow, run_episode
+
+    temps = {"solver": 0.7, "verifier": 1.6, "checker": 0.4}
+    spec = copy.deepcopy(DAG)
+    for a in spec["agents"]:
+        a["sampling"]["temperature"] = temps[a["id"]]
+    wf = Workflow.from_dict(spec, max_lora_rank=setup["engine"].cfg.max_lora_rank)
+    tok = CharTokenizer()
+    tasks = [make_task(a, b) for a, b in [(12, 34), (80, 19), (5, 5)]]
+
+    async def many():
+        return await asyncio.gather(
+            *[
+                run_episode(
+                    wf,
+                    t,
+                    setup["engine"],
+                    tokenizers=tok,
+                    seed=5 + i,
+                    incarnation="t",
+                    seq=i,
+                    group_id=t["id"],
+                )
+                for i, t in enumerate(tasks)
+            ]
+        )
+
+    base = AutoModelForCausalLM.from_pretrained(setup["model_dir"], dtype=torch.float32).eval()
+    worst, worst_at_t1 = 0.0, 0.0
+    for t in setup["loop"].run_until_complete(many()):
+        for s in t.steps:
+            model = setup["peft"] if s.adapter == "solver" else base
+            args = (model, s.prompt_ids.tolist(), s.response_ids.tolist())
+            worst = max(
+                worst, float(np.max(np.abs(np.asarray(_logprobs(*args, temps[s.agent_id])) - s.logprobs)))
+            )
+            worst_at_t1 = max(worst_at_t1, float(np.max(np.abs(np.asarray(_logprobs(*args)) - s.logprobs))))
+    print(f"max |vLLM - transformers| at each agent's temperature {worst:.2e}; at T = 1 {worst_at_t1:.2e}")
+    assert worst < ATOL
+    assert worst_at_t1 > 100 * ATOL  # the check can tell the temperatures apart

@@ -39,6 +39,13 @@ class AgentOverrides(_Strict):
     clip_low: float | None = Field(None, ge=0, description="PPO clip ε below 1 for this adapter")
     clip_high: float | None = Field(None, ge=0, description="PPO clip ε above 1 (DAPO clip-higher)")
     rank: int | None = Field(None, ge=1, le=256, description="LoRA rank of this adapter (None: lora.rank)")
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        description="the temperature this adapter's agents sample at: its log-probs use logits / T",
+    )
+    kl_coef: float | None = Field(None, ge=0, description="β of this adapter's KL-to-reference term")
+    micro_batch_rows: int | None = Field(None, ge=1, description="rows per forward/backward of this adapter")
 
 
 class LoraSettings(_Strict):
@@ -77,7 +84,11 @@ class LearnerConfig(_Strict):
     min_policy_version_lag: int = Field(
         -1, ge=-1, description="refuse samples older than version - lag (-1: any age)"
     )
-    temperature: float = Field(1.0, gt=0, description="sampling temperature the rollouts used (logits / T)")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="sampling temperature of adapters without their own (agents.<adapter>.temperature)",
+    )
 
     # --- advantages and objective ------------------------------------------------------------
     algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"] = Field(
@@ -287,15 +298,22 @@ class LearnerConfig(_Strict):
             "whiten_advantages": self.whiten_advantages,
         }
 
-    def adapter_settings(self, adapter: str) -> dict[str, float]:
-        """Resolved lr / clip_low / clip_high of one adapter (override, else learner-wide)."""
+    def adapter_settings(self, adapter: str) -> dict[str, Any]:
+        """Resolved per-adapter settings of one adapter (its override, else the learner-wide value)."""
         o = self.agents.get(adapter, AgentOverrides())
-        clip_low = o.clip_low if o.clip_low is not None else self.clip_low
-        high = o.clip_high if o.clip_high is not None else self.clip_high
+
+        def pick(name: str) -> Any:
+            own = getattr(o, name)
+            return own if own is not None else getattr(self, name)
+
+        high = pick("clip_high")
         return {
-            "lr": o.lr if o.lr is not None else self.lr,
-            "clip_low": clip_low,
-            "clip_high": high if high is not None else clip_low,
+            "lr": pick("lr"),
+            "clip_low": pick("clip_low"),
+            "clip_high": high if high is not None else pick("clip_low"),
+            "temperature": pick("temperature"),
+            "kl_coef": pick("kl_coef"),
+            "micro_batch_rows": pick("micro_batch_rows"),
         }
 
 

@@ -69,7 +69,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,11 +127,16 @@ class LogprobMismatch(LearnerError):
 
 @dataclass(frozen=True)
 class AdapterSettings:
-    """Optimiser settings of one adapter (resolved from the config's per-agent overrides)."""
+    """Settings of one adapter (resolved from the config's per-agent overrides, Dr. MAS): its
+    optimiser (lr, clip range), the temperature its agents sample at (its log-probs use logits / T), its
+    KL coefficient and micro-batch size. ``None`` takes the engine-wide value."""
 
     lr: float
     clip_low: float
     clip_high: float
+    temperature: float | None = None
+    kl_coef: float | None = None
+    micro_batch_rows: int | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,6 +171,7 @@ class RowBatch:
     turn_idx: Tensor | None = None  # [N] int64, the step's turn (None: all 0)
     row_weights: Tensor | None = None  # [N] float32 sample weight of the row's trajectory (None: all 1)
     joint_idx: Tensor | None = None  # [N] int64 joint sample of the HAPPO factor (set by train_step)
+    temps: Tensor | None = None  # [N] float32 sampling temperature of the row's adapter (set by train_step)
 
     @property
     def n_rows(self) -> int:
@@ -589,7 +595,16 @@ class LearnerEngine:
         if missing:
             raise LearnerError(f"no optimiser settings for adapters {missing}")
         self.adapters = list(adapters)
-        self.settings = dict(adapter_settings)
+        self.settings = {
+            a: replace(
+                s,
+                temperature=s.temperature if s.temperature is not None else temperature,
+                kl_coef=s.kl_coef if s.kl_coef is not None else kl_coef,
+                micro_batch_rows=s.micro_batch_rows if s.micro_batch_rows is not None else micro_batch_rows,
+            )
+            for a, s in adapter_settings.items()
+        }
+        self.any_kl = any(self.settings[a].kl_coef > 0 for a in self.adapters)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this host's GPU index (0 in a one-GPU pod)
         self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda", local_rank)
         self.micro_batch_rows = micro_batch_rows
@@ -739,8 +754,7 @@ class LearnerEngine:
             logits = call(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
             vocab = logits.shape[-1]
             sel = logits.gather(1, gather[..., None].expand(-1, -1, vocab)).float()
-            if self.temperature != 1.0:  # a full pass over [n, R, vocab]: skipped when it changes nothing
-                sel = sel / self.temperature
+            sel = self._at_temperature(sel, batch, idx, adapter)
             logp = torch.log_softmax(sel, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
         return logp.cpu() if (self.device.type != "cpu" and not grad) else logp
 
@@ -767,20 +781,35 @@ class LearnerEngine:
             sel = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, R, H]
             ref = None
             if want_logp:
-                logits = base.get_output_embeddings()(sel).float() / self.temperature
+                logits = self._at_temperature(base.get_output_embeddings()(sel).float(), batch, idx, None)
                 resp = batch.response_ids[idx].to(self.device)
                 ref = torch.log_softmax(logits, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
                 ref = ref.cpu() * batch.resp_mask[idx]
         feats = sel[:, 0] if self.critic_level == "action" else sel
         return feats.float().cpu(), ref
 
-    def _chunks(self, idx: Tensor) -> list[Tensor]:
-        return [idx[i : i + self.micro_batch_rows] for i in range(0, len(idx), self.micro_batch_rows)]
+    def _at_temperature(self, logits: Tensor, batch: RowBatch, idx: Tensor, adapter: str | None) -> Tensor:
+        """``logits`` [n, R, V] of rows ``idx`` divided by the temperature their tokens were sampled at:
+        the adapter's under an adapter, each row's own under the base model (the KL reference of rows
+        of several adapters). A full pass over the logits, skipped where every temperature is 1."""
+        if adapter is not None:
+            t = self.settings[adapter].temperature
+            return logits / t if t != 1.0 else logits
+        if batch.temps is None:
+            return logits / self.temperature if self.temperature != 1.0 else logits
+        temps = batch.temps[idx]
+        if bool((temps == 1.0).all()):
+            return logits
+        return logits / temps.to(logits.device)[:, None, None]
+
+    def _chunks(self, idx: Tensor, adapter: str | None = None) -> list[Tensor]:
+        n = self.settings[adapter].micro_batch_rows if adapter is not None else self.micro_batch_rows
+        return [idx[i : i + n] for i in range(0, len(idx), n)]
 
     def token_logprobs(self, batch: RowBatch, idx: Tensor, adapter: str | None) -> Tensor:
         """No-grad response-token log-probs [n, R] (0 on padding), in micro-batches."""
         self.model.eval()
-        parts = [self._token_logp(batch, c, adapter, grad=False) for c in self._chunks(idx)]
+        parts = [self._token_logp(batch, c, adapter, grad=False) for c in self._chunks(idx, adapter)]
         out = torch.cat(parts) if parts else torch.zeros((0, batch.response_ids.shape[1]))
         return out * batch.resp_mask[idx]
 
@@ -793,7 +822,8 @@ class LearnerEngine:
         eos_id: int,
         generator: torch.Generator,
     ) -> list[tuple[list[int], list[float]]]:
-        """Sample completions (temperature ``self.temperature``) and their log-probs, for self-tests.
+        """Sample completions (at the adapter's temperature; the engine-wide one for the base) and their
+        log-probs, for self-tests.
 
         Prompts of one call must share a length (the addition task's do). Each completion stops after
         ``eos_id`` (included) or ``max_new_tokens``.
@@ -807,12 +837,13 @@ class LearnerEngine:
         ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         done = [False] * len(prompts)
+        temp = self.settings[adapter].temperature if adapter is not None else self.temperature
         with ctx:
             for _ in range(max_new_tokens):
                 logits = (
                     self.model(input_ids=ids.to(self.device), use_cache=False).logits[:, -1].float().cpu()
                 )
-                logp = torch.log_softmax(logits / self.temperature, dim=-1)
+                logp = torch.log_softmax(logits / temp, dim=-1)
                 tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
                 for i, t in enumerate(tok.tolist()):
                     if not done[i]:
@@ -870,6 +901,13 @@ class LearnerEngine:
             batch.row_weights = torch.tensor(list(weights), dtype=torch.float32)[batch.traj_idx]
         assert batch.turn_idx is not None
         batch.joint_idx, n_joint = joint_rows(batch.traj_idx, batch.turn_idx, batch.n_traj, self.happo_factor)
+        batch.temps = torch.tensor(
+            [
+                self.settings[a].temperature if a in self.settings else self.temperature
+                for a in batch.adapter_of_row
+            ],
+            dtype=torch.float32,
+        )
         rows = {a: batch.rows_of(a) for a in self.adapters}
         prox: dict[str, Tensor] = {}
         ref: dict[str, Tensor] = {}
@@ -886,10 +924,12 @@ class LearnerEngine:
                 self.algorithm, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx
             )
             m["singleton_groups"] = float(singleton_group_count(*groups))
-            if self.kl_coef > 0:
-                for a in self.adapters:
+            for a in self.adapters:
+                if self.settings[a].kl_coef > 0:
                     ref[a] = self.token_logprobs(batch, rows[a], None)
-        counts = _all_reduce_max([math.ceil(len(rows[a]) / self.micro_batch_rows) for a in self.adapters])
+        counts = _all_reduce_max(
+            [math.ceil(len(rows[a]) / self.settings[a].micro_batch_rows) for a in self.adapters]
+        )
         # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
         n_micro = dict(zip(self.adapters, counts, strict=True))
 
@@ -986,12 +1026,13 @@ class LearnerEngine:
         metrics. Advantages are computed on the values *before* this step's critic update.
         """
         all_rows = torch.arange(batch.n_rows)
-        parts = [self._base_pass(batch, c, self.kl_coef > 0) for c in self._chunks(all_rows)]
+        parts = [self._base_pass(batch, c, self.any_kl) for c in self._chunks(all_rows)]
         feats = torch.cat([f for f, _ in parts])
-        if self.kl_coef > 0:
+        if self.any_kl:
             ref_all = torch.cat([r for _, r in parts if r is not None])
             for a in self.adapters:
-                ref[a] = ref_all[rows[a]]
+                if self.settings[a].kl_coef > 0:
+                    ref[a] = ref_all[rows[a]]
         token = self.critic_level == "token"
         vmask = batch.resp_mask if token else torch.ones(batch.n_rows, dtype=torch.bool)
         self.critic.eval()
@@ -1073,7 +1114,7 @@ class LearnerEngine:
         s = self.settings[adapter]
         dev = self.device
         self.model.train()
-        chunks = self._chunks(idx)
+        chunks = self._chunks(idx, adapter)
         mask_all = batch.resp_mask[idx]
         total_tokens = float(mask_all.sum())
         total_seqs = float((mask_all.sum(-1) > 0).sum())
@@ -1149,12 +1190,12 @@ class LearnerEngine:
             n_unit = float(mask_cpu.any(-1).sum()) if action_level else n_tok
             loss = agg_loss(terms.loss, unit, "token-mean" if action_level else self.loss_agg)
             kl_term = zero
-            if self.kl_coef > 0:
+            if s.kl_coef > 0:
                 kl_tok = kl_penalty(logp, ref[adapter][offset - len(c) : offset].to(dev), self.kl_estimator)
                 if row_w is not None:
                     kl_tok = kl_tok * row_w[:, None]
                 kl = agg_loss(kl_tok * mask, mask, self.loss_agg)
-                loss = loss + self.kl_coef * kl
+                loss = loss + s.kl_coef * kl
                 kl_term = kl.detach() * n_tok
             share = (
                 n_tok / total_tokens

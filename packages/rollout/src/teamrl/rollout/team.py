@@ -11,7 +11,8 @@ checks):
   tokenizer (chat template included);
 * every adapter's rank fits the largest rank vLLM serves, and the LoRA target modules exist in the
   model's weights (taken from the architecture, not a fixed list);
-* the trained agents sample at one temperature (the learner recomputes log-probs at it).
+* agents that share an adapter sample at one temperature (the learner recomputes each adapter's
+  log-probs at its own), never greedily, with top_p 1.
 
 It returns a :class:`TeamPlan`: the adapters with their own ranks and the agents sharing each, the
 target modules, the held-out split, and a probe (prompt and completion token ids built from a
@@ -48,7 +49,8 @@ class TeamPlan:
     adapters: dict[str, int]  # adapter -> LoRA rank, in the order agents first use them
     shared_by: dict[str, list[str]]  # adapter -> the agents that share it
     target_modules: list[str]
-    temperature: float
+    temperatures: dict[str, float]  # adapter -> the temperature its agents sample at
+    optimiser: dict[str, dict[str, float]]  # adapter -> the workflow's [adapters.X] learner settings
     max_lora_rank: int  # what the rollout's vLLM engine is started with
     probe_prompt: list[int]
     probe_completion: list[int]
@@ -147,14 +149,7 @@ def plan_team(
             agent=trained[-1].id,
         )
     (model_id,) = bases
-    temps = {a.id: a.sampling.temperature for a in trained}
-    if len(set(temps.values())) > 1:
-        raise WorkflowError(
-            f"{where}: trained agents sample at different temperatures {temps}; the learner recomputes "
-            "log-probs at one temperature per base model (set agents.sampling.temperature alike)"
-        )
-    if set(temps.values()) == {0.0}:
-        raise WorkflowError(f"{where}: every trained agent samples greedily (temperature 0): no exploration")
+    temps = _adapter_temperatures(trained, where)
 
     adapters: dict[str, int] = {}
     shared_by: dict[str, list[str]] = {}
@@ -187,13 +182,48 @@ def plan_team(
         adapters=adapters,
         shared_by=shared_by,
         target_modules=targets,
-        temperature=next(iter(temps.values())),
+        temperatures=temps,
+        optimiser={a: wf.adapters[a].learner_settings() for a in adapters},
         max_lora_rank=max_rank,
         probe_prompt=prompts[probe_agent.id],
         probe_completion=completion,
         train_size=len(train),
         held_out_size=len(held),
     )
+
+
+def _adapter_temperatures(trained: list[Any], where: str) -> dict[str, float]:
+    """adapter -> the temperature its agents sample at. Each adapter's log-probs are recomputed at one
+    temperature, so agents that share an adapter sample alike; a trained agent samples (temperature
+    > 0) from its whole distribution (top_p 1: the learner's policy has no nucleus cut, so the ratio
+    to a truncated behaviour policy would be biased on every token)."""
+    temps: dict[str, float] = {}
+    first: dict[str, str] = {}
+    for a in trained:
+        t, adapter = a.sampling.temperature, a.adapter
+        if t == 0.0:
+            raise WorkflowError(
+                f"{where}: agent {a.id!r} trains adapter {adapter!r} but samples greedily "
+                "(agents.sampling.temperature = 0): no exploration, and no log-probs to learn from",
+                agent=a.id,
+            )
+        if a.sampling.top_p < 1.0:
+            raise WorkflowError(
+                f"{where}: agent {a.id!r} trains adapter {adapter!r} with agents.sampling.top_p = "
+                f"{a.sampling.top_p}; a trained agent samples with top_p = 1 (the learner's policy is "
+                "the whole tempered distribution)",
+                agent=a.id,
+            )
+        if adapter in temps and temps[adapter] != t:
+            raise WorkflowError(
+                f"{where}: agents {first[adapter]!r} and {a.id!r} share adapter {adapter!r} but sample at "
+                f"temperatures {temps[adapter]} and {t}; the learner recomputes an adapter's log-probs "
+                "at one temperature (give them one, or each its own adapter)",
+                agent=a.id,
+            )
+        temps.setdefault(adapter, t)
+        first.setdefault(adapter, a.id)
+    return temps
 
 
 def _tokenizer(model_dir: Path) -> Tokenizer:

@@ -119,6 +119,18 @@ class AdapterSpec(_Strict):
 
     model: str = Field(description="id of the base model (a key of [models]) the adapter belongs to")
     rank: int = Field(8, ge=1, description="LoRA rank r")
+    # Its own optimisation (Dr. MAS); None = the learner-wide value ([learner] table, `teamrl run` flags).
+    # `teamrl run` passes them on as [learner.agents.<adapter>]; the sampling temperature is the agents'.
+    lr: float | None = Field(None, gt=0, description="learning rate of this adapter")
+    clip_low: float | None = Field(None, ge=0, description="PPO clip range below 1")
+    clip_high: float | None = Field(None, ge=0, description="PPO clip range above 1 (clip-higher)")
+    kl_coef: float | None = Field(None, ge=0, description="KL-to-reference coefficient")
+    micro_batch_rows: int | None = Field(None, ge=1, description="rows per forward/backward")
+
+    def learner_settings(self) -> dict[str, float]:
+        """The optimisation settings this workflow sets for the adapter (unset ones left out)."""
+        names = ("lr", "clip_low", "clip_high", "kl_coef", "micro_batch_rows")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 class AgentSpec(_Strict):
