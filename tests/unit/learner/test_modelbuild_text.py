@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from teamrl.learner import modelbuild_text as mbt
+from teamrl.rollout.team import lora_targets
 
 STEPS = 2
 
@@ -92,7 +93,7 @@ def test_folder_loads_in_transformers_and_renders_the_chat_template(built: Path)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
     assert out.shape[1] <= len(ids) + 3
-    assert mbt.lora_targets(built) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_targets(built) == ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -111,7 +112,7 @@ def test_build_random_other_family(built: Path, tmp_path: Path, family: str) -> 
         ids = ids["input_ids"]
     with torch.no_grad():
         assert model(torch.tensor([list(ids)])).logits.shape[-1] == cfg["vocab_size"]
-    assert mbt.lora_targets(out) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_targets(out) == ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def test_lora_targets_of_an_unlisted_architecture_come_from_its_modules(built: Path, tmp_path: Path) -> None:
@@ -119,7 +120,7 @@ def test_lora_targets_of_an_unlisted_architecture_come_from_its_modules(built: P
     cfg = json.loads((out / "config.json").read_text())
     cfg["architectures"] = ["SomeNewForCausalLM"]  # not in LORA_TARGETS: read the module tree instead
     (out / "config.json").write_text(json.dumps(cfg))
-    assert mbt.lora_targets(out) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_targets(out) == ["q_proj", "k_proj", "v_proj", "o_proj"]
     with pytest.raises(ValueError, match="unknown family"):
         mbt.build_random(tmp_path / "x", family="gpt2")
 

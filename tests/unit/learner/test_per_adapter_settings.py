@@ -36,7 +36,13 @@ def _engine():
         ),
     }
     return LearnerEngine(
-        build(), [COLD, HOT], adapter_settings=settings, logprob_tolerance=1e-3, weight_decay=0.0, seed=0
+        build(),
+        [COLD, HOT],
+        adapter_settings=settings,
+        logprob_tolerance=1e-3,
+        weight_decay=0.0,
+        seed=0,
+        dtype="auto",  # float32 on CPU (bfloat16 on a GPU)
     )
 
 
@@ -85,6 +91,7 @@ def engine():
 
 
 def test_each_adapter_is_recomputed_at_its_own_temperature_and_stepped_at_its_own_lr(engine) -> None:
+    assert engine.dtype == "float32"
     trajs = _trajectories(engine)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters() if "lora_B" in n}
     res = engine.train_step(trajs, step=0, current_version=0, fresh_version=0)
@@ -133,5 +140,6 @@ def test_config_resolves_each_adapter_from_its_override_else_the_learner_value()
     }
     hot = cfg.adapter_settings(HOT)
     assert (hot["lr"], hot["temperature"], hot["kl_coef"], hot["micro_batch_rows"]) == (3e-4, 0.9, 0.01, 16)
+    assert cfg.dtype == "auto" and cfg.engine_kwargs()["dtype"] == "auto"
     eng_settings = cfg.engine_kwargs()["adapter_settings"]
     assert eng_settings[COLD].temperature == 0.5 and eng_settings[HOT].temperature == 0.9

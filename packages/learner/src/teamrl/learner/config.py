@@ -74,7 +74,9 @@ class LearnerConfig(_Strict):
         "`teamrl workflow plan` prints them for a workflow",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="model dtype (float32 on CPU)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="model dtype; auto = bfloat16 on a CUDA device, float32 on CPU"
+    )
 
     # --- data --------------------------------------------------------------------------------
     batch_size: int = Field(16, ge=1, description="trajectories per rank per step (one sample request)")

@@ -551,7 +551,7 @@ class LearnerEngine:
         lora_alpha: float = 16.0,
         lora_dropout: float = 0.0,
         target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
-        dtype: Literal["float32", "bfloat16"] = "float32",
+        dtype: Literal["auto", "float32", "bfloat16"] = "float32",
         device: str = "cpu",
         zero_stage: int = 2,
         weight_decay: float = 0.0,
@@ -645,6 +645,9 @@ class LearnerEngine:
         self.updates = dict.fromkeys(self.adapters, 0)  # optimiser steps taken per adapter
 
         torch.manual_seed(seed)  # LoRA A init: the same on every rank and every fresh start
+        if dtype == "auto":  # bf16 on a GPU (its tensor cores; fp32 weights would double memory), fp32 on CPU
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = dtype
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype)
         base.to(self.device)

@@ -291,7 +291,7 @@ class LearnerService:
                 expected_logprobs=self.engine.completion_logprobs(
                     a, self.cfg.probe_prompt, self.cfg.probe_completion
                 ),
-                atol=probe_atol(self.cfg.dtype),
+                atol=probe_atol(self.engine.dtype),
             )
             for a in self.cfg.adapters
         }
