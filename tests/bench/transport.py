@@ -15,6 +15,8 @@ received *and processed* here.
           validation + every field check, into zero-copy columns: what the replay buffer service
           does with a frame) -> ack;
 * pickle: pickle.dumps(protocol 5) -> DEALER -> ROUTER -> pickle.loads (no validation at all);
+* peer:   what a peer system sends (prime-rl-style): msgpack of each step's token-id and log-prob
+          lists -> DEALER -> ROUTER -> msgpack.unpackb into Python lists (no validation);
 * frames: (diagnostic, not in the ratio) the pre-encoded payloads through ZmqDataSender ->
           ZmqDataReceiver -> ack, no encode or decode: what the transport itself costs;
 * enc-only, dec-only: (diagnostics) the codec path with one side's work left out: the sender
@@ -26,11 +28,15 @@ The "alone" line times each stage of the codec path in one thread, without trans
 wants objects pays). ``--threads`` runs the sender as a thread of this process instead; encode and decode then share
 one GIL, which the services never do. Trials interleave the three paths; the median time of each
 is reported (this machine is shared, single runs are noisy). Prints MB/s (of Arrow payload bytes),
-trajectories/s and the ratio codec / raw. The last line is exactly ``transport_ratio=<float>``.
+trajectories/s, the ratio codec / raw and the codec against its peers (codec/peer, codec/pickle: > 1 is
+faster). The last line is exactly ``transport_ratio=<float>`` (codec / raw).
 The "cpu" lines add each side's CPU time per batch (user + system, all threads of the process:
 ZeroMQ's I/O threads and the kernel's loopback copies included) and the ceiling it implies: a path
 that costs c CPU-seconds per batch cannot move more than cores / c batches a second, whatever
-overlaps. A script, not a test: nothing here asserts a timing.
+overlaps. The "share" line turns the sender's CPU per generated token into the part of a rollout
+service's CPU time that publishing takes, at a generation rate (``--gen-rate``, default the rollout
+bench's measured engine rate on 2 cores) on ``--rollout-cores`` cores. A script, not a test: nothing
+here asserts a timing.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+import msgpack
 import zmq
 
 from teamrl.protocol import decode_trajectories, encode_trajectories_buffer, example_trajectories
@@ -55,8 +62,8 @@ from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
 
 HWM = 64
 WINDOW = 16
-TARGET = 0.5  # the issue's codec/raw target
-PATHS = ("raw", "codec", "pickle", "frames", "enc-only", "dec-only")
+PATHS = ("raw", "codec", "pickle", "peer", "frames", "enc-only", "dec-only")
+GEN_RATE = 1779.0  # tokens/s of the rollout engine on 2 cores (tests/bench/rollout.py, README)
 
 
 def make_batches(n_batches: int, steps_per_batch: int, tokens: int) -> list[list]:
@@ -71,6 +78,29 @@ def make_batches(n_batches: int, steps_per_batch: int, tokens: int) -> list[list
             steps += len(t.steps)
         batches.append(batch)
     return batches
+
+
+def peer_pack(batch: list) -> bytes:
+    """A batch as a peer system ships it: per step, token ids and log-probs as msgpack lists."""
+    return msgpack.packb(
+        [
+            {
+                "episode": t.episode_id,
+                "reward": t.reward,
+                "steps": [
+                    {
+                        "agent": s.agent_id,
+                        "prompt_ids": s.prompt_ids.tolist(),
+                        "response_ids": s.response_ids.tolist(),
+                        "logprobs": s.logprobs.tolist(),
+                        "reward": s.reward,
+                    }
+                    for s in t.steps
+                ],
+            }
+            for t in batch
+        ]
+    )
 
 
 def digest(payloads: list) -> str:
@@ -136,6 +166,8 @@ def sender_main(conn: Connection, n_batches: int, steps: int, tokens: int) -> No
             _send_plain(conn, endpoint, payloads, rounds, lambda p: p)
         elif path == "pickle":
             _send_plain(conn, endpoint, batches, rounds, lambda b: pickle.dumps(b, protocol=5))
+        elif path == "peer":
+            _send_plain(conn, endpoint, batches, rounds, peer_pack)
         elif path in ("frames", "dec-only"):
             _send_codec(conn, endpoint, payloads, rounds, lambda p: p)
         else:
@@ -201,10 +233,19 @@ def run_path(conn: Connection, path: str, n_batches: int, rounds: int) -> tuple[
         return _recv_codec(conn, path, total, rounds, lambda payload: None)
     if path == "raw":
         return _recv_plain(conn, "raw", total, rounds, lambda frame: None)
+    if path == "peer":
+        return _recv_plain(conn, "peer", total, rounds, lambda frame: msgpack.unpackb(frame.buffer))
     return _recv_plain(conn, "pickle", total, rounds, lambda frame: pickle.loads(frame.buffer))
 
 
-def report_cpu(cpu: dict[str, list[tuple[float, float]]], med: dict[str, float], messages: int) -> None:
+def report_cpu(
+    cpu: dict[str, list[tuple[float, float]]],
+    med: dict[str, float],
+    messages: int,
+    generated_per_batch: float,
+    gen_rate: float,
+    rollout_cores: int,
+) -> None:
     """CPU per batch on each side (median over trials) and the ceiling the cores put on codec/raw.
 
     However well encode and decode overlap, a path that costs ``c`` CPU-seconds per batch moves at
@@ -214,7 +255,7 @@ def report_cpu(cpu: dict[str, list[tuple[float, float]]], med: dict[str, float],
     per = {p: tuple(statistics.median(x[i] for x in cpu[p]) / messages * 1e3 for i in (0, 1)) for p in PATHS}
     print(
         "cpu ms/batch (receiver + sender): "
-        + "   ".join(f"{p} {r:.2f}+{s:.2f}" for p, (r, s) in per.items() if p != "pickle")
+        + "   ".join(f"{p} {r:.2f}+{s:.2f}" for p, (r, s) in per.items() if p not in ("pickle", "peer"))
     )
     raw_s = med["raw"] / messages * 1e3
     ceiling = cores * raw_s / sum(per["codec"])
@@ -222,12 +263,12 @@ def report_cpu(cpu: dict[str, list[tuple[float, float]]], med: dict[str, float],
         f"ceiling: codec uses {sum(per['codec']):.2f} CPU-ms per batch; on {cores} cores it can reach at most "
         f"{ceiling:.2f} of raw ({raw_s:.2f} ms/batch) even with perfect overlap"
     )
-    # dec-only is the codec path with an encoder that costs nothing: what is left for encoding
-    budget = cores * raw_s / TARGET - sum(per["dec-only"])
-    encode = per["enc-only"][1] - per["frames"][1]
+    # The rollout side of the codec path (encode, send, acks) per generated (response) token
+    per_token_ms = per["codec"][1] / generated_per_batch
+    share = gen_rate * per_token_ms / 1e3 / rollout_cores
     print(
-        f"for {TARGET}: with a free encoder the ceiling is {cores * raw_s / sum(per['dec-only']):.2f}; "
-        f"encoding may then cost {budget:.2f} CPU-ms per batch; it costs {encode:.2f} in the sender"
+        f"share: publishing costs the rollout {per_token_ms * 1e3:.2f} CPU-us per generated token; at "
+        f"{gen_rate:,.0f} tok/s on {rollout_cores} cores that is {100 * share:.3f} % of the rollout's CPU time"
     )
 
 
@@ -238,6 +279,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="mean tokens per step")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials per path (median reported)")
     ap.add_argument("--threads", action="store_true", help="sender as a thread of this process (one GIL)")
+    ap.add_argument(
+        "--gen-rate",
+        type=float,
+        default=GEN_RATE,
+        help="rollout generation rate, tokens/s, for the share line",
+    )
+    ap.add_argument(
+        "--rollout-cores", type=int, default=2, help="cores of the rollout service, for the share line"
+    )
     args = ap.parse_args()
     n_batches, rounds, trials = (8, 4, 5) if args.quick else (16, 10, 7)
     trials = args.trials or trials
@@ -247,6 +297,7 @@ def main() -> None:
     n_bytes = sum(p.size for p in payloads) * rounds
     n_traj = sum(len(b) for b in batches) * rounds
     n_steps = sum(len(t.steps) for b in batches for t in b) / n_batches
+    generated = sum(len(s.response_ids) for b in batches for t in b for s in t.steps) / n_batches
     print(
         f"{n_batches} batches x {rounds} rounds x {trials} trials; {n_steps:.0f} steps/batch, "
         f"{n_bytes / n_batches / rounds / 1e6:.2f} MB/batch; sender in a {'thread' if args.threads else 'process'}"
@@ -309,11 +360,15 @@ def main() -> None:
         f"pickle/raw = {med['raw'] / med['pickle']:.3f}"
     )
     print(
+        f"peers: codec/peer = {med['peer'] / med['codec']:.3f} (msgpack token lists)   "
+        f"codec/pickle = {med['pickle'] / med['codec']:.3f}   (> 1: the codec is faster, and it validates)"
+    )
+    print(
         f"bound: enc-only/raw = {med['raw'] / med['enc-only']:.3f}   "
         f"dec-only/raw = {med['raw'] / med['dec-only']:.3f}   (the lower one is the side that limits codec)"
     )
     if not args.threads:
-        report_cpu(cpu, med, n_batches * rounds)
+        report_cpu(cpu, med, n_batches * rounds, generated, args.gen_rate, args.rollout_cores)
     print(f"transport_ratio={ratio:.4f}")
 
 

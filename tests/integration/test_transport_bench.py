@@ -22,8 +22,10 @@ def test_quick_run_prints_every_path_and_the_ratio_last():
         check=True,
     ).stdout
     lines = out.strip().splitlines()
-    for path in ("raw", "codec", "pickle", "frames", "enc-only", "dec-only"):
+    for path in ("raw", "codec", "pickle", "peer", "frames", "enc-only", "dec-only"):
         assert any(line.strip().startswith(f"{path}:") for line in lines), path
     assert any(line.startswith("cpu ms/batch") for line in lines)
     assert any(line.startswith("ceiling:") for line in lines)
+    assert any(line.startswith("peers: codec/peer = ") for line in lines)
+    assert any(line.startswith("share: ") for line in lines)
     assert re.fullmatch(r"transport_ratio=\d+\.\d+", lines[-1])
