@@ -65,11 +65,9 @@ import json
 import math
 import os
 import random
-import socket
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,7 +79,6 @@ from teamrl.learner.advantages import (
     advantage_groups,
     broadcast_to_tokens,
     masked_whiten,
-    outcome_advantages,
     singleton_group_count,
 )
 from teamrl.learner.critic import (
@@ -91,6 +88,8 @@ from teamrl.learner.critic import (
     explained_variance,
     token_level_gae,
 )
+from teamrl.learner.distributed import _all_reduce_max, _barrier, _world, init_distributed
+from teamrl.learner.errors import LearnerError, LogprobMismatch
 from teamrl.learner.losses import (
     action_logprob,
     agg_loss,
@@ -100,6 +99,7 @@ from teamrl.learner.losses import (
     ppo_clip_loss,
     weight_rows,
 )
+from teamrl.learner.rows import RowBatch, build_rows, row_advantages
 from teamrl.learner.update import joint_logprob, joint_rows, random_order, sequential_update
 from teamrl.protocol.trajectory import GraphTrajectory
 
@@ -117,14 +117,6 @@ __all__ = [
 ]
 
 
-class LearnerError(RuntimeError):
-    """The learner cannot continue (bad data, bad checkpoint, inconsistent ranks)."""
-
-
-class LogprobMismatch(LearnerError):
-    """Recomputed log-probs disagree with the behaviour log-probs on fresh rows (positions/padding bug)."""
-
-
 @dataclass(frozen=True)
 class AdapterSettings:
     """Settings of one adapter (resolved from the config's per-agent overrides, Dr. MAS): its
@@ -137,366 +129,6 @@ class AdapterSettings:
     temperature: float | None = None
     kl_coef: float | None = None
     micro_batch_rows: int | None = None
-
-
-# --------------------------------------------------------------------------------------------------
-# rows: trajectories -> right-padded tensors
-
-
-@dataclass
-class RowBatch:
-    """One agent step per row, right-padded. N rows, L = max prompt+response, R = max response.
-
-    input_ids [N, L] int64 (pad 0), attention_mask [N, L], prompt_lens / resp_lens [N],
-    response_ids [N, R], behav_logp [N, R] float32 (0 on padding), resp_mask [N, R] bool,
-    rewards [N], group_idx / agent_idx / traj_idx [N] int64, versions [N] int64, adapter_of_row [N] str.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    prompt_lens: Tensor
-    resp_lens: Tensor
-    response_ids: Tensor
-    behav_logp: Tensor
-    resp_mask: Tensor
-    rewards: Tensor
-    group_idx: Tensor
-    agent_idx: Tensor
-    traj_idx: Tensor
-    versions: Tensor
-    adapter_of_row: list[str]
-    agent_of_row: list[str]
-    n_traj: int
-    team_rewards: list[float] = field(default_factory=list)
-    turn_idx: Tensor | None = None  # [N] int64, the step's turn (None: all 0)
-    row_weights: Tensor | None = None  # [N] float32 sample weight of the row's trajectory (None: all 1)
-    joint_idx: Tensor | None = None  # [N] int64 joint sample of the HAPPO factor (set by train_step)
-    temps: Tensor | None = None  # [N] float32 sampling temperature of the row's adapter (set by train_step)
-
-    @property
-    def n_rows(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def rows_of(self, adapter: str) -> Tensor:
-        return torch.tensor([i for i, a in enumerate(self.adapter_of_row) if a == adapter], dtype=torch.long)
-
-
-def build_rows(
-    trajectories: Sequence[GraphTrajectory],
-    adapters: Sequence[str],
-    reward_source: Literal["step", "trajectory"] = "step",
-    pad_id: int = 0,
-) -> tuple[RowBatch, dict[str, int]]:
-    """Flatten trajectories into a :class:`RowBatch`; returns it and ``{reason: rows ignored}``.
-
-    Rows are ignored (and counted) when their adapter is not trained here (``foreign_adapter``) or
-    their response is empty (``empty_response``). Raises :class:`LearnerError` when a step's log-probs
-    do not match its response length, or when nothing is left.
-    """
-    wanted = set(adapters)
-    ignored = {"foreign_adapter": 0, "empty_response": 0}
-    groups: dict[str, int] = {}
-    agents: dict[str, int] = {}
-    seqs: list[np.ndarray] = []
-    rows: list[dict[str, Any]] = []
-    team: list[float] = []
-    for ti, traj in enumerate(trajectories):
-        g = groups.setdefault(traj.group_id, len(groups))
-        team.append(float(traj.reward))
-        for s in traj.steps:
-            if s.adapter not in wanted:
-                ignored["foreign_adapter"] += 1
-                continue
-            if len(s.response_ids) == 0:
-                ignored["empty_response"] += 1
-                continue
-            if len(s.logprobs) != len(s.response_ids):
-                raise LearnerError(
-                    f"episode {traj.episode_id}: step of {s.agent_id!r} has {len(s.logprobs)} log-probs "
-                    f"for {len(s.response_ids)} response tokens"
-                )
-            seqs.append(np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
-            rows.append(
-                {
-                    "p": len(s.prompt_ids),
-                    "r": len(s.response_ids),
-                    "resp": np.asarray(s.response_ids, np.int64),
-                    "lp": np.asarray(s.logprobs, np.float32),
-                    "reward": float(s.reward) if reward_source == "step" else float(traj.reward),
-                    "g": g,
-                    "a": agents.setdefault(s.agent_id, len(agents)),
-                    "t": ti,
-                    "v": int(s.policy_version),
-                    "adapter": s.adapter,
-                    "agent": s.agent_id,
-                    "turn": int(s.turn),
-                }
-            )
-    if not rows:
-        raise LearnerError(f"no trainable rows in {len(trajectories)} trajectories (ignored: {ignored})")
-    n, big_l, big_r = len(rows), max(len(x) for x in seqs), max(r["r"] for r in rows)
-    # filled in numpy and wrapped once: per-row torch slice assignments cost more than the copy
-    ids_np = np.full((n, big_l), pad_id, dtype=np.int64)
-    attn_np = np.zeros((n, big_l), dtype=np.int64)
-    resp_np = np.zeros((n, big_r), dtype=np.int64)
-    behav_np = np.zeros((n, big_r), dtype=np.float32)
-    mask_np = np.zeros((n, big_r), dtype=np.bool_)
-    for i, (seq, r) in enumerate(zip(seqs, rows, strict=True)):
-        ids_np[i, : len(seq)] = seq
-        attn_np[i, : len(seq)] = 1
-        resp_np[i, : r["r"]] = r["resp"]
-        behav_np[i, : r["r"]] = r["lp"]
-        mask_np[i, : r["r"]] = True
-    input_ids, attn = torch.from_numpy(ids_np), torch.from_numpy(attn_np)
-    resp, behav, mask = torch.from_numpy(resp_np), torch.from_numpy(behav_np), torch.from_numpy(mask_np)
-
-    def col(key: str, dtype: torch.dtype) -> Tensor:
-        return torch.tensor([r[key] for r in rows], dtype=dtype)
-
-    batch = RowBatch(
-        input_ids=input_ids,
-        attention_mask=attn,
-        prompt_lens=col("p", torch.long),
-        resp_lens=col("r", torch.long),
-        response_ids=resp,
-        behav_logp=behav,
-        resp_mask=mask,
-        rewards=col("reward", torch.float32),
-        group_idx=col("g", torch.long),
-        agent_idx=col("a", torch.long),
-        traj_idx=col("t", torch.long),
-        turn_idx=col("turn", torch.long),
-        versions=col("v", torch.long),
-        adapter_of_row=[r["adapter"] for r in rows],
-        agent_of_row=[r["agent"] for r in rows],
-        n_traj=len(trajectories),
-        team_rewards=team,
-    )
-    return batch, ignored
-
-
-def row_advantages(
-    batch: RowBatch,
-    algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"],
-    singleton: Literal["batch", "zero", "raw"] = "batch",
-) -> Tensor:
-    """Outcome advantage of every row [N] (:func:`teamrl.learner.advantages.outcome_advantages`)."""
-    turn = batch.turn_idx if batch.turn_idx is not None else torch.zeros_like(batch.traj_idx)
-    return outcome_advantages(
-        algorithm, batch.rewards, batch.group_idx, batch.agent_idx, batch.traj_idx, turn, singleton
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# distributed set-up
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_distributed(device: str = "cpu") -> tuple[int, int]:
-    """Initialise torch.distributed through DeepSpeed; returns (rank, world_size).
-
-    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK (what ``teamrl run``, ``torchrun``
-    and the ``deepspeed`` launcher set). Without them this is a world of one on a free local port.
-    gloo on CPU, nccl on CUDA.
-    """
-    if device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    # the GPU index on this host, not the global rank: a one-GPU pod of rank 1 has only cuda:0
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if os.environ.get("MASTER_ADDR", "").startswith(("127.", "localhost")):
-        # All ranks on this host: gloo must not pick its interface by resolving the hostname, which
-        # in a container or a network namespace can name an address that is not up (ranks then wait).
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # One build folder per environment: two venvs sharing ~/.cache/torch_extensions rebuild the op
-    # over each other (the build file names the venv's paths) and race for the same lock.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    _load_cpu_comm_op(float(os.environ.get("TEAMRL_OP_BUILD_TIMEOUT_S", OP_BUILD_WAIT_S)))
-    import deepspeed
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
-    return dist.get_rank(), dist.get_world_size()
-
-
-OP_BUILD_WAIT_S = 900.0  # the CPU op builds in about a minute on 2 idle cores, several on busy ones
-OP_BUILD_LOG_S = 5.0  # a learner waiting for the build says so this often
-FOREIGN_LOCK_S = 300.0  # a torch build lock with no teamrl owner record is taken over at this age
-OP_NAME = "deepspeed_shm_comm"
-
-
-def _load_cpu_comm_op(timeout_s: float) -> None:
-    """Build or load DeepSpeed's CPU communication op before ``deepspeed.init_distributed`` needs it.
-
-    DeepSpeed JIT-builds the op (``deepspeed_shm_comm``) into ``TORCH_EXTENSIONS_DIR`` under torch's
-    file lock, which a build killed half-way leaves behind; torch then waits on it for ever, silently
-    (seen: ``teamrl run`` idle for 17 minutes at start). ``scripts/setup.sh`` builds it once; here the
-    load runs under a teamrl lock next to the build folder (``deepspeed_shm_comm.teamrl-owner``, an
-    ``fcntl`` lock the kernel drops when its holder dies, holding the holder's pid):
-
-    * a learner that finds the lock held waits at most ``timeout_s`` (``TEAMRL_OP_BUILD_TIMEOUT_S``),
-      logging every ``OP_BUILD_LOG_S`` which pid it waits for and for how long, then fails;
-    * whoever holds it knows no other teamrl process is building, so a torch lock it finds was left by
-      a dead owner (the pid recorded is gone) and is removed at once; one with no dead teamrl owner
-      on record (another program) is waited for, logged, and taken over at ``FOREIGN_LOCK_S`` old.
-
-    Ranks on one host load in turn (the first builds, the rest load the result); the rendezvous comes
-    after, so they never wait on each other here. Nothing is done where DeepSpeed would not build the
-    op (another accelerator, or an incompatible host)."""
-    import fcntl
-    import logging
-
-    log = logging.getLogger("teamrl.learner")
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return  # as deepspeed.comm.torch.build_shm_op decides
-    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    root.mkdir(parents=True, exist_ok=True)
-    owner_file = root / f"{OP_NAME}.teamrl-owner"
-    t0 = time.monotonic()
-    deadline = t0 + timeout_s
-    next_log = t0 + OP_BUILD_LOG_S
-    with open(owner_file, "a+") as owner:
-        while True:
-            try:
-                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                now = time.monotonic()
-                holder = _recorded_pid(owner_file)
-                if now >= deadline:
-                    raise TimeoutError(
-                        f"the DeepSpeed CPU op build by pid {holder} ({owner_file}) did not finish "
-                        f"in {timeout_s:.0f} s (TEAMRL_OP_BUILD_TIMEOUT_S)"
-                    ) from None
-                if now >= next_log:
-                    next_log = now + OP_BUILD_LOG_S
-                    log.warning(
-                        "waiting %.0f s for the DeepSpeed CPU op build by pid %s (%s)",
-                        now - t0,
-                        holder,
-                        owner_file,
-                    )
-                time.sleep(0.2)
-        try:
-            previous = _recorded_pid(owner_file)
-            _clear_dead_build_lock(root, previous, deadline, log)
-            owner.seek(0)
-            owner.truncate()
-            owner.write(f"{os.getpid()}\n")
-            owner.flush()
-            if time.monotonic() - t0 > OP_BUILD_LOG_S:
-                log.info("DeepSpeed CPU op: lock taken after %.0f s; loading", time.monotonic() - t0)
-            builder.load(verbose=False)  # builds on the first call in this folder, then loads
-        finally:
-            fcntl.flock(owner, fcntl.LOCK_UN)
-
-
-def _recorded_pid(owner_file: Path) -> int | None:
-    try:
-        text = owner_file.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _processes_in(folder: Path) -> list[int]:
-    """Pids whose working folder is ``folder`` (torch runs ninja and the compiler there); Linux only."""
-    found = []
-    try:
-        target = folder.resolve()
-        names = os.listdir("/proc")
-    except OSError:
-        return found
-    for name in names:
-        if name.isdigit() and int(name) != os.getpid():
-            try:
-                if Path(os.readlink(f"/proc/{name}/cwd")) == target:
-                    found.append(int(name))
-            except OSError:
-                continue
-    return found
-
-
-def _clear_dead_build_lock(root: Path, previous: int | None, deadline: float, log: Any) -> None:
-    """Remove torch's build lock of the op once its owner is dead (called holding the teamrl lock).
-
-    Dead: the pid on record is gone and no process is still compiling in the build folder (a killed
-    learner's ninja goes on alone). A lock with no dead teamrl owner on record belongs to another
-    program: it is taken over at ``FOREIGN_LOCK_S`` old. Meanwhile the wait is logged and bounded."""
-    t0 = time.monotonic()
-    next_log = t0 + OP_BUILD_LOG_S
-    owner_dead = previous is not None and previous != os.getpid() and not _pid_alive(previous)
-    while True:
-        batons = [p for p in (root / OP_NAME / "lock", *root.glob(f"*/{OP_NAME}/lock")) if p.exists()]
-        if not batons:
-            return
-        baton = batons[0]
-        try:
-            age = time.time() - baton.stat().st_mtime
-        except OSError:
-            continue  # released meanwhile
-        building = _processes_in(baton.parent)
-        if not building and (owner_dead or age > FOREIGN_LOCK_S):
-            with contextlib.suppress(FileNotFoundError):
-                baton.unlink()
-            log.warning(
-                "took over the build lock %s (%.0f s old) left by %s",
-                baton,
-                age,
-                f"pid {previous}, which is dead" if owner_dead else "a program with no teamrl owner record",
-            )
-            continue
-        if building:
-            why = f"pids {building} still compiling in {baton.parent}"
-        else:
-            why = f"{baton} held by a program with no teamrl owner record ({age:.0f} s old)"
-        now = time.monotonic()
-        if now >= deadline:
-            raise TimeoutError(f"DeepSpeed CPU op: gave up after {now - t0:.0f} s waiting for {why}")
-        if now >= next_log:
-            next_log = now + OP_BUILD_LOG_S
-            log.warning("DeepSpeed CPU op: waiting %.0f s for %s", now - t0, why)
-        time.sleep(0.2)
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_reduce_max(values: list[int]) -> list[int]:
-    import torch.distributed as dist
-
-    if _world()[1] == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1437,13 +1069,6 @@ def _fuse_grad_checks(opt: Any) -> None:
 
     opt.get_grad_norm_direct = fused_norm
     opt.has_overflow_partitioned_grads_serial = fused_overflow
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if _world()[1] > 1:
-        dist.barrier()
 
 
 def iter_adapter_params(engine: LearnerEngine) -> Iterator[tuple[str, Tensor]]:
