@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast bench bench-results lint format check-deploy clean
+.PHONY: setup demo test test-fast bench results bench-results lint format check-deploy clean
 
 setup:
 	@bash scripts/setup.sh
@@ -24,11 +24,16 @@ bench: setup
 	$(PY) tests/bench/learner.py --quick
 	$(PY) tests/bench/rollout_scaling.py --quick
 
-# The README's results (a)-(d): full runs, about 40 minutes on 2 cores.
-bench-results: setup
-	$(PY) tests/bench/compare_runs.py mode
-	$(PY) tests/bench/compare_runs.py algorithm --steps 40 --reward-scale verifier=10
-	$(PY) tests/bench/compare_runs.py update-order --steps 40
+# The README's results (a)-(c), each over 5 seeds (mean and 95 % CI), their plots and table in
+# docs/results/ (runs kept in runs/results/): about 2.5 hours on 2 cores. Prints figures, asserts none.
+results: setup
+	$(PY) tests/bench/compare_runs.py mode --out runs/results/mode
+	$(PY) tests/bench/compare_runs.py algorithm --steps 40 --reward-scale verifier=10 --out runs/results/algorithm
+	$(PY) tests/bench/compare_runs.py update-order --steps 40 --out runs/results/update-order
+	$(PY) tests/bench/compare_runs.py table runs/results docs/results
+
+# (d) rollout scaling, plus everything of `results`.
+bench-results: results
 	$(PY) tests/bench/rollout_scaling.py
 
 lint: setup

@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -149,60 +150,60 @@ def transport_table(args: argparse.Namespace, run_dir: Path) -> dict[str, dict[s
     return {"transport": {"curve": True, "curve_dir": str(keys.resolve())}}
 
 
-def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
-    run_dir = Path(args.run_dir)
+@dataclass
+class Wiring:
+    """Where this start's services meet: loopback ports picked fresh every start (state lives in the
+    run folder, not in the wiring), and the endpoints built from them."""
+
+    ports: dict[str, int]
+
+    @classmethod
+    def pick(cls, rollouts: int) -> Wiring:
+        ports = {"data": free_port(), "sample": free_port(), "publish": free_port_pair()}
+        ports["metrics_buffer"] = free_port()
+        ports["metrics_learner"] = free_port()
+        for i in range(rollouts):
+            ports[f"metrics_rollout_{i}"] = free_port()
+        return cls(ports)
+
+    def endpoint(self, name: str) -> str:
+        return f"tcp://127.0.0.1:{self.ports[name]}"
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        return {k.removeprefix("metrics_"): v for k, v in self.ports.items() if k.startswith("metrics_")}
+
+
+def prepare_run_dir(args: argparse.Namespace, plan: RunPlan, run_dir: Path, wiring: Wiring) -> float:
+    """Write run.json (arguments, model, start time t0; this start's metrics ports) and the resolved
+    config.toml; returns t0 (kept from the first start on ``--resume``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    t_begin = time.time()
     if args.resume:  # the saved args were restored by teamrl.cli.run.main; the plan is remade from them
-        t0 = json.loads((run_dir / "run.json").read_text())["t0"]
+        saved = json.loads((run_dir / "run.json").read_text())
     else:
-        t0 = t_begin
-        (run_dir / "run.json").write_text(
-            json.dumps({"args": vars(args), "model": plan.model, "t0": t0}, indent=1) + "\n"
-        )
+        saved = {"args": vars(args), "model": plan.model, "t0": time.time()}
     (run_dir / "config.toml").write_text(config_toml({**plan.config, **transport_table(args, run_dir)}))
-    # Fresh loopback ports every start: state lives in the run folder, not in the wiring.
-    ports = {"data": free_port(), "sample": free_port(), "publish": free_port_pair()}
-    ports["metrics_buffer"] = free_port()
-    ports["metrics_learner"] = free_port()
-    for i in range(args.rollouts):
-        ports[f"metrics_rollout_{i}"] = free_port()
-    saved = json.loads((run_dir / "run.json").read_text())
-    saved["metrics_ports"] = {
-        k.removeprefix("metrics_"): v for k, v in ports.items() if k.startswith("metrics_")
-    }
-    (run_dir / "run.json").write_text(json.dumps(saved, indent=1) + "\n")  # this start's ports (dashboards)
+    saved["metrics_ports"] = wiring.metrics  # this start's ports (dashboards)
+    (run_dir / "run.json").write_text(json.dumps(saved, indent=1) + "\n")
+    return float(saved["t0"])
+
+
+def plan_services(args: argparse.Namespace, run_dir: Path, wiring: Wiring, t0: float) -> list[Service]:
+    """The services of this start, in start order: the buffer, the learner ranks, the rollouts. Pure:
+    nothing is started, nothing is written."""
     cfg_path = str(run_dir / "config.toml")
-    ep = {k: f"tcp://127.0.0.1:{v}" for k, v in ports.items() if not k.startswith("metrics")}
     env = {"TEAMRL_RUN_T0": str(t0), "OMP_NUM_THREADS": str(args.threads_per_service)}
     logs = run_dir / "logs"
-    sup = Supervisor()
-    stop_asked: list[str] = []
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop_asked.append(signal.Signals(signum).name)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    sup.start(
+    ep = wiring.endpoint
+    out = [
         Service(
             "buffer",
-            [
-                "buffer",
-                "--config",
-                cfg_path,
-                "--dir",
-                str(run_dir / "buffer"),
-                "--bind",
-                ep["data"],
-                "--sample-bind",
-                ep["sample"],
-                "--metrics-port",
-                str(ports["metrics_buffer"]),
-            ],
+            ["buffer", "--config", cfg_path, "--dir", str(run_dir / "buffer"), "--bind", ep("data")]
+            + ["--sample-bind", ep("sample"), "--metrics-port", str(wiring.ports["metrics_buffer"])],
             logs / "buffer.log",
             env,
         )
-    )
+    ]
     for rank in range(args.learners):
         lenv = dict(env)
         if args.learners > 1:
@@ -211,75 +212,81 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(args.learners),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(ports.setdefault("rendezvous", free_port())),
+                MASTER_PORT=str(wiring.ports.setdefault("rendezvous", free_port())),
             )
-        sup.start(
-            Service(
-                f"learner-{rank}",
-                [
-                    "learner",
-                    "--config",
-                    cfg_path,
-                    "--buffer",
-                    ep["sample"],
-                    "--publish",
-                    ep["publish"],
-                    "--run-dir",
-                    str(run_dir),
-                    "--threads",
-                    str(args.threads_per_service),
-                    "--metrics-port",
-                    str(ports["metrics_learner"] if rank == 0 else free_port()),
-                    *(["--tensorboard", str(run_dir / "tensorboard")] if args.tensorboard else []),
-                ],
-                logs / f"learner-{rank}.log",
-                lenv,
-            )
-        )
+        metrics = wiring.ports["metrics_learner"] if rank == 0 else free_port()
+        argv = ["learner", "--config", cfg_path, "--buffer", ep("sample"), "--publish", ep("publish")]
+        argv += ["--run-dir", str(run_dir), "--threads", str(args.threads_per_service)]
+        argv += ["--metrics-port", str(metrics)]
+        argv += ["--tensorboard", str(run_dir / "tensorboard")] if args.tensorboard else []
+        out.append(Service(f"learner-{rank}", argv, logs / f"learner-{rank}.log", lenv))
     # Rollouts on this machine get disjoint cores: left to vLLM's automatic binding, every engine
     # binds its worker to the same core(s). An operator's own VLLM_CPU_OMP_THREADS_BIND wins.
     rollout_env = [{**env, **share} for share in core_shares(args.rollouts)]
     resumed_at = max([0, *(int(r.get("version", 0)) for r in read_jsonl(run_dir / "metrics.jsonl"))])
     for i in range(args.rollouts):
-        extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep["sample"]}"']
+        extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep("sample")}"']
         if resumed_at:  # the learner re-announces this version at start; older weights would be wasted
             extra += ["--set", f"start_version={resumed_at}"]
         if i == 0:
-            extra += [
-                "--set",
-                f'eval_file="{run_dir / "eval.jsonl"}"',
-                "--set",
-                f'samples_dir="{run_dir / "samples"}"',
-            ]
-        sup.start(
-            Service(
-                f"rollout-{i}",
-                [
-                    "rollout",
-                    "--config",
-                    cfg_path,
-                    "--buffer",
-                    ep["data"],
-                    "--weights",
-                    ep["publish"],
-                    "--metrics-port",
-                    str(ports.get(f"metrics_rollout_{i}", 0)),
-                    *extra,
-                ],
-                logs / f"rollout-{i}.log",
-                rollout_env[i],
-            )
+            extra += ["--set", f'eval_file="{run_dir / "eval.jsonl"}"']
+            extra += ["--set", f'samples_dir="{run_dir / "samples"}"']
+        argv = ["rollout", "--config", cfg_path, "--buffer", ep("data"), "--weights", ep("publish")]
+        argv += ["--metrics-port", str(wiring.ports.get(f"metrics_rollout_{i}", 0)), *extra]
+        out.append(Service(f"rollout-{i}", argv, logs / f"rollout-{i}.log", rollout_env[i]))
+    return out
+
+
+@dataclass
+class Watch:
+    """What the watch loop decided: the exit code so far and how often each service was restarted."""
+
+    rc: int = 0
+    restarts: dict[str, int] = field(default_factory=dict)
+
+
+def restart_or_give_up(sup: Supervisor, watch: Watch) -> bool:
+    """Restart services that died (learner ranks all together: they rendezvous), each at most
+    ``MAX_RESTARTS`` times; False once one is out of restarts (the run stops, rc 1)."""
+    dead = [s for s in sup.dead() if not (s.name.startswith("learner") and s.proc.returncode == 0)]
+    if any(d.name.startswith("learner") for d in dead):
+        dead += [s for s in sup.services if s.name.startswith("learner") and s not in dead]
+    for s in [d for d in dead if watch.restarts.get(d.name, 0) < MAX_RESTARTS]:
+        # Each service resumes from what it persisted: the buffer from its checkpoint (frames it had
+        # not acked are resent by the rollouts), a learner from its last complete checkpoint, a
+        # rollout as a new incarnation (what it had acked is in the buffer).
+        watch.restarts[s.name] = watch.restarts.get(s.name, 0) + 1
+        code = s.proc.returncode if s.proc is not None and s.proc.poll() is not None else "alive"
+        print(
+            f"[teamrl] {s.name} exited with {code}; restarting it "
+            f"({watch.restarts[s.name]}/{MAX_RESTARTS}); last log lines:\n{s.tail(5)}",
+            file=sys.stderr,
+            flush=True,
         )
-    print(
-        f"[teamrl] async run in {run_dir}: buffer, {args.learners} learner rank(s), {args.rollouts} rollout "
-        f"service(s); logs in {logs}; Prometheus /metrics on ports "
-        + ", ".join(f"{k[8:]} {v}" for k, v in ports.items() if k.startswith("metrics_")),
-        flush=True,
-    )
+        if s.alive:
+            s.proc.terminate()
+            s.proc.wait(timeout=60)
+        s.start()
+        dead.remove(s)
+    for s in dead:
+        print(
+            f"[teamrl] {s.name} exited with {s.proc.returncode} after {MAX_RESTARTS} restarts "
+            f"(restart budget spent); stopping the run. Last log lines:\n{s.tail()}",
+            file=sys.stderr,
+        )
+    if dead:
+        watch.rc = 1
+    return not dead
+
+
+def watch_run(
+    args: argparse.Namespace, run_dir: Path, sup: Supervisor, stop_asked: list[str], t_begin: float
+) -> Watch:
+    """Show the run live and keep it alive until the learner's last step has been evaluated (or a
+    signal, or a service out of restarts)."""
     view = LiveView(args.steps)
-    rc = 0
+    watch = Watch()
     final_wait_started: float | None = None
-    restarts: dict[str, int] = {}
     try:
         while True:
             time.sleep(1.0)
@@ -287,46 +294,16 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
             evals = read_jsonl(run_dir / "eval.jsonl")
             stats = read_jsonl(run_dir / "buffer" / "stats.jsonl")
             alive = {s.name: s.alive for s in sup.services}
+            last = rows[-1] if rows else None
             view.update(
-                rows[-1] if rows else None,
-                evals[-1] if evals else None,
-                stats[-1] if stats else None,
-                alive,
-                time.time() - t_begin,
+                last, evals[-1] if evals else None, stats[-1] if stats else None, alive, time.time() - t_begin
             )
             if stop_asked:
                 print(f"[teamrl] {stop_asked[0]}: stopping all services", flush=True)
-                rc = 130
-                break
-            dead = [s for s in sup.dead() if not (s.name.startswith("learner") and s.proc.returncode == 0)]
-            if any(d.name.startswith("learner") for d in dead):  # ranks rendezvous together: restart all
-                dead += [s for s in sup.services if s.name.startswith("learner") and s not in dead]
-            for s in [d for d in dead if restarts.get(d.name, 0) < MAX_RESTARTS]:
-                # Each service resumes from what it persisted: the buffer from its checkpoint (frames it
-                # had not acked are resent by the rollouts), a learner from its last complete
-                # checkpoint, a rollout as a new incarnation (what it had acked is in the buffer).
-                restarts[s.name] = restarts.get(s.name, 0) + 1
-                code = s.proc.returncode if s.proc is not None and s.proc.poll() is not None else "alive"
-                print(
-                    f"[teamrl] {s.name} exited with {code}; restarting it "
-                    f"({restarts[s.name]}/{MAX_RESTARTS}); last log lines:\n{s.tail(5)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                if s.alive:
-                    s.proc.terminate()
-                    s.proc.wait(timeout=60)
-                s.start()
-                dead.remove(s)
-            if dead:
-                for s in dead:
-                    print(
-                        f"[teamrl] {s.name} exited with {s.proc.returncode} after {MAX_RESTARTS} restarts "
-                        f"(restart budget spent); stopping the run. Last log lines:\n{s.tail()}",
-                        file=sys.stderr,
-                    )
-                rc = 1
-                break
+                watch.rc = 130
+                return watch
+            if not restart_or_give_up(sup, watch):
+                return watch
             # done: every step written (a finished learner lingers, serving its final version until
             # the last evaluation), or every learner exited
             learners_done = bool(rows) and rows[-1]["step"] + 1 >= args.steps
@@ -334,19 +311,21 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
             if learners_done:
                 final = rows[-1]["version"] if rows else 0
                 if not args.eval_interval or any(e.get("version") == final for e in evals):
-                    break
+                    return watch
                 final_wait_started = final_wait_started or time.time()
                 if time.time() - final_wait_started > FINAL_EVAL_WAIT_S:
                     print(
                         f"[teamrl] no evaluation of the final version v{final} after {FINAL_EVAL_WAIT_S:.0f} s; stopping",
                         file=sys.stderr,
                     )
-                    break
+                    return watch
     finally:
         view.close()
-        codes = sup.stop(timeout=60, order=STOP_ORDER)
-        for s, h in old.items():
-            signal.signal(s, h)
+
+
+def finish(run_dir: Path, watch: Watch, codes: dict[str, int | None], t_begin: float) -> int:
+    """Plots, restarts and the held-out summary; the run's exit code (a service that did not stop
+    cleanly fails a run that otherwise succeeded)."""
     print(f"[teamrl] services stopped: {codes}", flush=True)
     try:
         from teamrl.cli.plots import plot_run
@@ -356,12 +335,45 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     except ImportError as e:
         print(f"[teamrl] no plots ({e})")
     evals = read_jsonl(run_dir / "eval.jsonl")
-    if restarts:
-        print(f"[teamrl] restarts: {', '.join(f'{k} {v}' for k, v in sorted(restarts.items()))}", flush=True)
+    if watch.restarts:
+        print(
+            f"[teamrl] restarts: {', '.join(f'{k} {v}' for k, v in sorted(watch.restarts.items()))}",
+            flush=True,
+        )
     if evals:
-        what = "done" if rc == 0 else f"stopped (exit code {rc})"
+        what = "done" if watch.rc == 0 else f"stopped (exit code {watch.rc})"
         print(f"[teamrl] {what} in {time.time() - t_begin:.0f} s: {summary(evals[0], evals[-1])}", flush=True)
     bad = {k: v for k, v in codes.items() if v not in (0, None, -15)}
-    if bad and rc == 0:
-        rc = 1
-    return rc
+    return 1 if bad and watch.rc == 0 else watch.rc
+
+
+def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
+    """Plan the services, start them, watch, stop them in order, finish."""
+    run_dir = Path(args.run_dir)
+    t_begin = time.time()
+    wiring = Wiring.pick(args.rollouts)
+    t0 = prepare_run_dir(args, plan, run_dir, wiring)
+    services = plan_services(args, run_dir, wiring, t0)
+    sup = Supervisor()
+    stop_asked: list[str] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop_asked.append(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    watch = Watch(rc=1)
+    try:
+        for svc in services:
+            sup.start(svc)
+        print(
+            f"[teamrl] async run in {run_dir}: buffer, {args.learners} learner rank(s), {args.rollouts} rollout "
+            f"service(s); logs in {run_dir / 'logs'}; Prometheus /metrics on ports "
+            + ", ".join(f"{k} {v}" for k, v in wiring.metrics.items()),
+            flush=True,
+        )
+        watch = watch_run(args, run_dir, sup, stop_asked, t_begin)
+    finally:
+        codes = sup.stop(timeout=60, order=STOP_ORDER)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return finish(run_dir, watch, codes, t_begin)
