@@ -52,6 +52,6 @@ def embedded_model() -> Path:
 @pytest.fixture(scope="session")
 def embedded_text_model() -> Path:
     """The embedded-text model (``teamrl model build --kind text``), built once per session."""
-    from teamrl.learner.modelbuild_text import build_text, default_text_model_dir
+    from teamrl.models.text import build_text, default_text_model_dir
 
     return _locked_build(default_text_model_dir(), lambda out: build_text(out, measure_n=0))

@@ -199,7 +199,7 @@ def test_a_user_workflow_with_routing_and_a_shared_adapter_trains(tmp_path: Path
 
 
 def test_a_random_llama_model_trains_one_step_end_to_end(tmp_path: Path, embedded_text_model: Path) -> None:
-    from teamrl.learner.modelbuild_text import build_random
+    from teamrl.models.text import build_random
 
     model = build_random(tmp_path / "llama", family="llama", tokenizer_from=embedded_text_model)
     assert json.loads((model / "config.json").read_text())["model_type"] == "llama"

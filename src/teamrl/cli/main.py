@@ -15,7 +15,7 @@ def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
 
     kind = getattr(args, "kind", "char")
     if kind == "text":
-        from teamrl.learner import modelbuild_text as mb
+        from teamrl.models import text as mb
 
         default_dir, build_fn = mb.default_text_model_dir, mb.build_text
     else:

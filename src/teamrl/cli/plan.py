@@ -51,7 +51,7 @@ def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = Tr
 
             make, where = mb.build, mb.default_model_dir
         else:
-            from teamrl.learner import modelbuild_text as mb
+            from teamrl.models import text as mb
 
             make, where = (lambda: mb.build_text(measure_n=20)), mb.default_text_model_dir
         if build:
@@ -97,6 +97,9 @@ def plan(args: argparse.Namespace, *, build: bool = True) -> RunPlan:
         raise PlanError(f"{e}{hint}") from None
     cfg = resolved_config(args, team, str(model))
     cfg = _apply_user_config(cfg, args.config, args.set)
+    lrn = cfg["learner"]
+    if lrn.get("profile_interval") and not lrn.get("profiles"):  # LangMARL rounds start from these
+        lrn["profiles"] = team.workflow.profiles()
     validate(cfg)
     return RunPlan(team, str(model), cfg)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from teamrl.rewards.tokenizer import ByteTokenizer
 from teamrl.rollout.team import lora_targets, plan_team
-from teamrl.rollout.tokenizer import ByteTokenizer
 from teamrl.rollout.workflow import WorkflowError
 from teamrl.rollout.workflows import load
 

@@ -129,7 +129,7 @@ def test_the_learner_side_judge_samples_the_base_and_refuses_text_its_vocabulary
     from teamrl.learner.modelbuild import build
     from teamrl.learner.profile_round import ProfileRound, judge_from_engine
     from teamrl.rewards.profiles import PROPOSALS_REJECTED
-    from teamrl.rollout.tokenizer import TokenizerError
+    from teamrl.rewards.tokenizer import TokenizerError
 
     judge = judge_from_engine(engine, build(), max_new_tokens=6)
     out = judge("S01+23=")  # the embedded character vocabulary: a real (tiny) sample
@@ -158,6 +158,7 @@ def test_the_learner_side_judge_samples_the_base_and_refuses_text_its_vocabulary
 
     before = PROPOSALS_REJECTED.labels(reason="judge_error")._value.get()
     with tempfile.TemporaryDirectory() as d:
-        rounds = ProfileRound(Path(d), judge, interval=1, fsync=False)
+        solver_profile = {"solver": "You are the solver of a math team."}  # [learner] profiles
+        rounds = ProfileRound(Path(d), judge, interval=1, initial=solver_profile, fsync=False)
         assert rounds.maybe_run(1, [ep(i) for i in range(4)]) is None
     assert PROPOSALS_REJECTED.labels(reason="judge_error")._value.get() == before + 1

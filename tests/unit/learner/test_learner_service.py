@@ -114,7 +114,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         "checkpoint_interval = 2\nlr = 1e-3\n"
         # LangMARL rounds on: the embedded model cannot read the judge prompt, so each round is a
         # counted judge_error and weight training must go on regardless
-        'profile_interval = 1\nprofile_workflow = "math-duo"\n'
+        'profile_interval = 1\nprofiles = { planner = "Plan the steps.", solver = "Solve it." }\n'
     )
     # Not the rendezvous that an in-process test of this session wrote into os.environ: the learner
     # would read WORLD_SIZE=1 and a MASTER_PORT this process's TCPStore still holds (EADDRINUSE).

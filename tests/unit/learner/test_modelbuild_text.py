@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from teamrl.learner import modelbuild_text as mbt
+from teamrl.models import text as mbt
 from teamrl.rollout.team import lora_targets
 
 STEPS = 2
@@ -52,7 +52,7 @@ def test_folder_loads_in_transformers_and_renders_the_chat_template(built: Path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from teamrl.rollout.tokenizer import HFTokenizer, tokenizer_for
+    from teamrl.rewards.tokenizer import HFTokenizer, tokenizer_for
     from teamrl.rollout.workflows import load, load_tasks
 
     for f in (
@@ -141,8 +141,8 @@ def test_cli_model_path_and_kind(monkeypatch, tmp_path: Path, capsys) -> None:
 def test_vllm_serves_the_text_model(built: Path) -> None:
     import asyncio
 
+    from teamrl.rewards.tokenizer import tokenizer_for
     from teamrl.rollout.engine import EngineConfig, RolloutEngine, Sampling
-    from teamrl.rollout.tokenizer import tokenizer_for
     from teamrl.rollout.workflows import load, load_tasks
 
     tok = tokenizer_for(built)

@@ -45,6 +45,7 @@ def _episode(i: int, reward: float) -> GraphTrajectory:
 
 
 BATCH = [_episode(i, float(i % 2)) for i in range(6)]  # successes and failures for both agents
+MATH_DUO_PROFILES = load("math-duo").profiles()  # what `teamrl run` passes as [learner] profiles
 
 
 def test_a_round_stores_announces_and_a_rollout_workflow_adopts_the_profiles(tmp_path: Path) -> None:
@@ -54,7 +55,7 @@ def test_a_round_stores_announces_and_a_rollout_workflow_adopts_the_profiles(tmp
         seen.append(prompt)
         return "<summary>It skipped the check.</summary>\n<profile>\nCheck every step twice.\n</profile>"
 
-    rounds = ProfileRound(tmp_path / "profiles", judge, interval=2, fsync=False)
+    rounds = ProfileRound(tmp_path / "profiles", judge, interval=2, initial=MATH_DUO_PROFILES, fsync=False)
     assert rounds.maybe_run(1, BATCH) is None and not seen  # not a round step
     msg = rounds.maybe_run(2, BATCH)
     assert msg is not None and msg.version == 1 and len(seen) == 2  # one judge call per agent
@@ -89,12 +90,14 @@ def test_a_failing_or_unparsable_judge_keeps_the_profiles_and_training_goes_on(t
         raise RuntimeError("judge model is down")
 
     before = PROPOSALS_REJECTED.labels(reason="judge_error")._value.get()
-    rounds = ProfileRound(tmp_path / "p", broken, interval=1, fsync=False)
+    rounds = ProfileRound(tmp_path / "p", broken, interval=1, initial=MATH_DUO_PROFILES, fsync=False)
     assert rounds.maybe_run(1, BATCH) is None
     assert PROPOSALS_REJECTED.labels(reason="judge_error")._value.get() == before + 2
     assert rounds.latest().version == 0  # v0 only: the workflow's own profiles
 
-    rounds = ProfileRound(tmp_path / "q", lambda p: "no tags at all", interval=1, fsync=False)
+    rounds = ProfileRound(
+        tmp_path / "q", lambda p: "no tags at all", interval=1, initial=MATH_DUO_PROFILES, fsync=False
+    )
     assert rounds.maybe_run(1, BATCH) is None and rounds.failures == 0
 
     rounds = ProfileRound(tmp_path / "r", lambda p: "x", interval=1, workflow="no-such-workflow", fsync=False)
@@ -110,5 +113,7 @@ def test_profiles_alone_needs_a_profile_interval() -> None:
     need = {"adapters": ["planner-lora"], "probe_prompt": [1, 2], "probe_completion": [3]}  # no defaults
     with pytest.raises(ValidationError, match="trains nothing"):
         LearnerConfig(train_weights=False, **need)
-    cfg = LearnerConfig(train_weights=False, profile_interval=3, profile_workflow="math-duo", **need)
+    with pytest.raises(ValidationError, match="needs profiles"):
+        LearnerConfig(train_weights=False, profile_interval=3, **need)
+    cfg = LearnerConfig(train_weights=False, profile_interval=3, profiles=load("math-duo").profiles(), **need)
     assert cfg.profile_interval == 3 and not cfg.train_weights

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from teamrl.protocol import decode_trajectories, encode_trajectories
+from teamrl.rewards.tokenizer import ByteTokenizer
 from teamrl.rollout.engine import Generation
-from teamrl.rollout.tokenizer import ByteTokenizer
 from teamrl.rollout.tools import (
     BM25Index,
     Document,

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from teamrl.protocol import decode_trajectories, encode_trajectories
+from teamrl.rewards.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TokenizerError
 from teamrl.rollout.engine import Generation, Sampling
-from teamrl.rollout.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TokenizerError
-from teamrl.rollout.workflow import Workflow, WorkflowError, load_workflow, run_episode
-from teamrl.rollout.workflows import load
+from teamrl.rollout.workflow import Workflow, WorkflowError, run_episode
+from teamrl.rollout.workflows import load, load_workflow
 
 CHAR = CharTokenizer()
 BYTES = ByteTokenizer()
@@ -573,7 +573,7 @@ def test_hf_tokenizer_uses_the_chat_template_when_the_folder_has_one(tmp_path: P
 
 
 def test_tokenizer_for_picks_the_char_vocabulary_for_the_embedded_model(tmp_path: Path) -> None:
-    from teamrl.rollout.tokenizer import tokenizer_for
+    from teamrl.rewards.tokenizer import tokenizer_for
 
     (tmp_path / "teamrl_model.json").write_text(json.dumps({"task": "teamrl.rewards.addition"}))
     assert isinstance(tokenizer_for(tmp_path), CharTokenizer)

@@ -14,15 +14,16 @@ import pytest
 
 from teamrl.protocol import decode_trajectories, encode_trajectories
 from teamrl.rewards.errors import DatasetError
+from teamrl.rewards.tokenizer import ByteTokenizer, CharTokenizer
 from teamrl.rollout.engine import Generation
-from teamrl.rollout.tokenizer import ByteTokenizer, CharTokenizer
-from teamrl.rollout.workflow import Workflow, WorkflowError, load_workflow, run_episode
+from teamrl.rollout.workflow import Workflow, WorkflowError, run_episode
 from teamrl.rollout.workflows import (
     BUILTIN,
     TASK_SETS,
     humaneval_source,
     load,
     load_tasks,
+    load_workflow,
     names,
     shard,
     tasks_for,

@@ -200,8 +200,10 @@ class LearnerConfig(_Strict):
         ge=0,
         description="LangMARL: every k steps a judge rewrites agent profiles from the batch (0 = off)",
     )
-    profile_workflow: str = Field(
-        "", description="workflow (name or TOML) whose profiles start the store; empty = the trajectories'"
+    profiles: dict[str, str] = Field(
+        default_factory=dict,
+        description="the agents' starting profiles (agent id -> system prompt), version 0 of the profile "
+        "store; needed with profile_interval > 0 (`teamrl run` fills them from the workflow)",
     )
     profile_max_new_tokens: int = Field(512, ge=1, description="judge answer length, in tokens")
     profile_max_staleness: int = Field(
@@ -250,6 +252,11 @@ class LearnerConfig(_Strict):
             raise ValueError("tis_mode='mask' needs a tis_cap")
         if not self.train_weights and not self.profile_interval:
             raise ValueError("train_weights = false trains nothing unless profile_interval > 0")
+        if self.profile_interval and not self.profiles:
+            raise ValueError(
+                "profile_interval > 0 needs profiles (the agents' starting profiles; "
+                "`teamrl workflow plan` prints them)"
+            )
         return self
 
     def engine_kwargs(self) -> dict[str, Any]:

@@ -21,13 +21,10 @@ import random
 import time
 from pathlib import Path
 
-BUILD_VERSION = 1
+from teamrl.rewards.addition import EMBEDDED_BUILD_VERSION as BUILD_VERSION
+from teamrl.rewards.addition import embedded_model_dir as default_model_dir
+
 DEFAULT_STEPS = 600
-
-
-def default_model_dir() -> Path:
-    root = Path(os.environ.get("TEAMRL_CACHE", Path.home() / ".cache" / "teamrl"))
-    return root / "models" / f"embedded-v{BUILD_VERSION}"
 
 
 def build_tokenizer(out: Path) -> None:

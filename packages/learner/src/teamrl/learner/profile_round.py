@@ -18,7 +18,7 @@ are, and training goes on. A real instruction-tuned model folder is what this is
 
 Call sequence (what ``LearnerService`` does)::
 
-    rounds = ProfileRound(run_dir / "profiles", judge, interval=cfg.profile_interval)
+    rounds = ProfileRound(run_dir / "profiles", judge, interval=cfg.profile_interval, initial=cfg.profiles)
     msg = rounds.maybe_run(step, trajectories)        # after the weight step
     if msg is not None:
         publisher.publish_profiles(msg)
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ def judge_from_engine(engine: Any, model_folder: str | Path, max_new_tokens: int
     """A ``str -> str`` judge: the learner's base model (adapters disabled), sampled at temperature 1."""
     import torch
 
-    from teamrl.rollout.tokenizer import tokenizer_for
+    from teamrl.rewards.tokenizer import tokenizer_for
 
     tok = tokenizer_for(model_folder)
     gen = torch.Generator().manual_seed(seed)
@@ -56,13 +56,8 @@ def judge_from_engine(engine: Any, model_folder: str | Path, max_new_tokens: int
     return judge
 
 
-def workflow_profiles(name: str) -> dict[str, str]:
-    """The profiles a workflow starts with: a built-in name or a TOML path."""
-    from teamrl.rollout.workflow import load_workflow
-    from teamrl.rollout.workflows import load
-
-    wf = load_workflow(name) if name.endswith(".toml") else load(name)
-    return wf.profiles()
+class NoStartingProfiles(RuntimeError):
+    """A profile round found no stored version and was given no starting profiles."""
 
 
 class ProfileRound:
@@ -75,6 +70,7 @@ class ProfileRound:
         interval: int,
         *,
         workflow: str = "",
+        initial: Mapping[str, str] | None = None,
         max_staleness: int | None = 2,
         fsync: bool = True,
     ) -> None:
@@ -86,6 +82,7 @@ class ProfileRound:
         self.judge = judge
         self.interval = interval
         self.workflow = workflow
+        self.initial = dict(initial or {})  # the workflow's own profiles: version 0 of the store
         self.max_staleness = max_staleness
         self.rounds = 0
         self.published = 0
@@ -106,12 +103,12 @@ class ProfileRound:
         try:
             initial = None
             if self.store.latest() is None:
-                initial = workflow_profiles(self.workflow or trajectories[0].workflow)
-                if not initial:
-                    log.warning(
-                        "workflow %r has no agent profiles: nothing to improve", trajectories[0].workflow
+                if not self.initial:
+                    raise NoStartingProfiles(
+                        f"no starting profiles for workflow {self.workflow or trajectories[0].workflow!r}: "
+                        "set [learner] profiles (teamrl run fills them from the workflow)"
                     )
-                    return None
+                initial = self.initial
             msg = asyncio.run(
                 improve_profiles(
                     trajectories,

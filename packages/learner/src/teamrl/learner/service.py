@@ -156,7 +156,7 @@ class LearnerService:
                 run_dir / "profiles",
                 judge_from_engine(self.engine, self.model, cfg.profile_max_new_tokens, cfg.seed),
                 cfg.profile_interval,
-                workflow=cfg.profile_workflow,
+                initial=cfg.profiles,
                 max_staleness=cfg.profile_max_staleness,
             )
         self.tb = None

@@ -1,4 +1,6 @@
-"""Transport interfaces: how frames move between services, independent of ZeroMQ.
+"""Transport interfaces: how frames move between services, independent of ZeroMQ (the ZeroMQ
+implementation, and the ``make_data_sender``/``make_data_receiver`` factories used below, are in
+:mod:`teamrl.protocol.zmq_transport`).
 
 Data path (rollout -> replay buffer), at-least-once with explicit, application-driven acks::
 
@@ -96,17 +98,3 @@ class Rpc(Protocol):
     def call(self, msg: _Message, timeout_ms: int | None = None) -> _Message: ...
 
     def close(self) -> None: ...
-
-
-def make_data_sender(endpoint: str, incarnation: str, **kwargs: object) -> DataSender:
-    """The ZeroMQ data sender (the only implementation today). kwargs: see ``ZmqDataSender``."""
-    from teamrl.protocol.zmq_transport import ZmqDataSender
-
-    return ZmqDataSender(endpoint, incarnation, **kwargs)  # type: ignore[arg-type]
-
-
-def make_data_receiver(bind_endpoint: str, **kwargs: object) -> DataReceiver:
-    """The ZeroMQ data receiver. kwargs: see ``ZmqDataReceiver``."""
-    from teamrl.protocol.zmq_transport import ZmqDataReceiver
-
-    return ZmqDataReceiver(bind_endpoint, **kwargs)  # type: ignore[arg-type]

@@ -934,3 +934,13 @@ def latest_endpoint_for(pub_endpoint: str) -> str:
     if int(port) >= 65535:
         raise ValueError(f"weights endpoint {pub_endpoint!r}: no port after {port} for the latest endpoint")
     return f"{head}:{int(port) + 1}"
+
+
+def make_data_sender(endpoint: str, incarnation: str, **kwargs: object) -> ZmqDataSender:
+    """The ZeroMQ data sender (the only implementation today). kwargs: see ``ZmqDataSender``."""
+    return ZmqDataSender(endpoint, incarnation, **kwargs)  # type: ignore[arg-type]
+
+
+def make_data_receiver(bind_endpoint: str, **kwargs: object) -> ZmqDataReceiver:
+    """The ZeroMQ data receiver. kwargs: see ``ZmqDataReceiver``."""
+    return ZmqDataReceiver(bind_endpoint, **kwargs)  # type: ignore[arg-type]

@@ -13,12 +13,23 @@ Formats (every character is one token of the embedded tokenizer; ``;`` is the en
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 # The embedded tokenizer's character vocabulary, in id order after the special tokens.
 SPECIAL_TOKENS = ["<pad>", "<bos>"]
 CHARS = list("0123456789+=;?SVR")
 EOS = ";"
+# The embedded model's folder: `teamrl model build` (teamrl.learner.modelbuild) writes it; a new
+# version number is a new folder, so a changed build never reuses an old cache.
+EMBEDDED_BUILD_VERSION = 1
+
+
+def embedded_model_dir() -> Path:
+    """``$TEAMRL_CACHE/models/embedded-v<N>`` (``~/.cache/teamrl`` when ``TEAMRL_CACHE`` is unset)."""
+    root = Path(os.environ.get("TEAMRL_CACHE", Path.home() / ".cache" / "teamrl"))
+    return root / "models" / f"embedded-v{EMBEDDED_BUILD_VERSION}"
 
 
 def make_task(a: int, b: int) -> dict:

@@ -3,11 +3,12 @@
 ``workflow.py`` defines agents, the dependency function D and agent-to-model mappings and runs
 episodes (``run_episode``; pure Python, no vLLM import); ``workflows/`` holds the built-in workflows
 (``teamrl.rollout.workflows.load(name)``) and their task data; ``tools.py`` the Python and BM25 tools;
-``tokenizer.py`` prompt tokenizers; ``engine.py`` wraps vLLM's async engine; ``service.py`` is the
-rollout process.
+``engine.py`` wraps vLLM's async engine; ``service.py`` is the rollout process. Prompt tokenizers live
+in ``teamrl.rewards.tokenizer`` (the learner's judge and the model builders use them too) and are
+re-exported here.
 """
 
-from teamrl.rollout.tokenizer import (
+from teamrl.rewards.tokenizer import (
     ByteTokenizer,
     CharTokenizer,
     HFTokenizer,
@@ -24,9 +25,9 @@ from teamrl.rollout.workflow import (
     RouteState,
     Workflow,
     WorkflowError,
-    load_workflow,
     run_episode,
 )
+from teamrl.rollout.workflows import load_workflow
 
 __all__ = [
     "ActView",

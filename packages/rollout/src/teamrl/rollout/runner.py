@@ -39,7 +39,7 @@ class WorkflowRunner:
         model_dir: str | Path | None = None,
         reward_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        from teamrl.rollout.tokenizer import tokenizer_for
+        from teamrl.rewards.tokenizer import tokenizer_for
         from teamrl.rollout.workflow import Workflow, WorkflowError
 
         wf = load(name)

@@ -62,7 +62,9 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("", description="model folder; empty = the embedded model (built if missing)")
+    model: str = Field(
+        "", description="model folder; empty = the embedded model (`teamrl model build` makes it)"
+    )
     workflow: str = Field(
         min_length=1,
         description="workflow name (`teamrl workflow list`) or TOML file, as `teamrl run --workflow`",
@@ -361,7 +363,7 @@ class RolloutService:
     def apply_profiles(self, msg: Any) -> bool:
         """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
         from teamrl.rewards.profiles import UPDATES_REFUSED, ProfilesRefused, apply_profiles
-        from teamrl.rollout.tokenizer import TokenizerError
+        from teamrl.rewards.tokenizer import TokenizerError
         from teamrl.rollout.workflow import WorkflowError
 
         self.profiles_seen = max(self.profiles_seen, msg.version)  # a refused version is not retried
@@ -630,11 +632,7 @@ class RolloutService:
         self.samples_dir = Path(self.cfg.samples_dir) if self.cfg.samples_dir and self.replica == 0 else None
         if self.samples_dir is not None:
             self.samples_dir.mkdir(parents=True, exist_ok=True)
-        model = self.cfg.model
-        if not model:
-            from teamrl.learner.modelbuild import build
-
-            model = str(build())
+        model = self.cfg.model  # set by main(): the embedded model's folder when the config has none
         self.engine = RolloutEngine(
             EngineConfig(
                 model=model,
@@ -759,11 +757,30 @@ def load_transport(path: str | None) -> TransportConfig:
     return transport
 
 
+def with_model(cfg: RolloutConfig) -> RolloutConfig:
+    """``cfg`` with a model folder that exists: its own, else the embedded model's, which
+    ``teamrl model build`` makes (``teamrl run`` and the deploy's init container run it first)."""
+    if cfg.model:
+        if not (Path(cfg.model) / "config.json").is_file():
+            raise RolloutConfigError(f"model = {cfg.model!r}: no config.json there (not a model folder)")
+        return cfg
+    from teamrl.rewards.addition import embedded_model_dir
+
+    default = embedded_model_dir()
+    if not (default / "config.json").is_file():
+        raise RolloutConfigError(
+            f"no model given and the embedded model is not built at {default}: run `teamrl model build` "
+            "first, or set model = DIR"
+        )
+    return cfg.model_copy(update={"model": str(default)})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         transport = load_transport(args.config)
+        cfg = with_model(cfg)
     except RolloutConfigError as e:
         print(f"teamrl rollout: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from teamrl.rollout.tokenizer import Tokenizer, TokenizerError, tokenizer_for
+from teamrl.rewards.tokenizer import Tokenizer, TokenizerError, tokenizer_for
 from teamrl.rollout.workflow import Workflow, WorkflowError, _Missing, _prompt_ids, _TaskView
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256)  # max_lora_rank values vLLM accepts (1 is too small to matter)

@@ -52,7 +52,7 @@ string (the kept prefix is a sample of the same policy; its log-probs are unchan
 
 Call sequence::
 
-    wf = load_workflow("configs/workflows/addition-duo.toml", max_lora_rank=engine.cfg.max_lora_rank)
+    wf = load_workflow("addition-duo", max_lora_rank=engine.cfg.max_lora_rank)  # teamrl.rollout.workflows
     traj = await run_episode(wf, task, engine, tokenizers=CharTokenizer(), seed=7,
                              incarnation=inc, seq=n, group_id=f"{step}-{task['id']}")
 """
@@ -75,7 +75,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from teamrl.protocol.trajectory import AgentStep, GraphTrajectory, ToolCall
-from teamrl.rollout.tokenizer import Tokenizer, TokenizerError
+from teamrl.rewards.tokenizer import Tokenizer, TokenizerError
 from teamrl.rollout.tools import TOOL_STOP, Tool, build_tool, format_result, parse_tool_call
 
 END = "end"
@@ -387,18 +387,6 @@ class Workflow(_Strict):
             return cls.from_dict(data, max_lora_rank=max_lora_rank)
         except WorkflowError as e:
             raise WorkflowError(f"{path}: {e}", agent=e.agent, edge=e.edge) from None
-
-
-def load_workflow(source: str | Path | Mapping[str, Any], *, max_lora_rank: int | None = None) -> Workflow:
-    """A workflow from a TOML path, a dict, or a built-in name (``teamrl.rollout.workflows``)."""
-    if isinstance(source, Mapping):
-        return Workflow.from_dict(source, max_lora_rank=max_lora_rank)
-    from teamrl.rollout import workflows
-
-    wf = workflows.load(source)
-    if max_lora_rank is not None:
-        wf.check_engine(max_lora_rank)
-    return wf
 
 
 def _unwrap(e: ValidationError, data: Mapping[str, Any]) -> WorkflowError:
@@ -884,11 +872,20 @@ def _resolve(table: Mapping[str, Any], name: str, what: str) -> Any:
     raise WorkflowError(f"unknown {what} {name!r} (known: {sorted(table)})")
 
 
+def data_path(name: str) -> Path:
+    """A file bundled in ``teamrl/rollout/workflows/data/`` (a package resource, read by name)."""
+    import importlib.resources
+
+    p = importlib.resources.files("teamrl.rollout.workflows").joinpath("data", name)
+    path = Path(str(p))
+    if not path.is_file():
+        raise FileNotFoundError(f"no bundled data file {name!r} in {path.parent}")
+    return path
+
+
 def resolve_data_path(path: str) -> Path:
     """``builtin:<file>`` is a file bundled with ``teamrl.rollout.workflows``; anything else a path."""
     if path.startswith("builtin:"):
-        from teamrl.rollout.workflows import data_path
-
         return data_path(path.removeprefix("builtin:"))
     return Path(path)
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from teamrl.rollout.workflow import Workflow, WorkflowError
+from teamrl.rollout.workflow import Workflow, WorkflowError, data_path
 from teamrl.rollout.workflows.addition import ADDITION_DUO, ADDITION_TRIO
 from teamrl.rollout.workflows.coding import CODE_REFLECT
 from teamrl.rollout.workflows.data import load_task_file, shard
@@ -91,13 +92,15 @@ def load(source: str | Path) -> Workflow:
     )
 
 
-def data_path(name: str) -> Path:
-    """A file bundled in ``teamrl/rollout/workflows/data/``."""
-    p = importlib.resources.files("teamrl.rollout.workflows").joinpath("data", name)
-    path = Path(str(p))
-    if not path.is_file():
-        raise FileNotFoundError(f"no bundled data file {name!r} in {path.parent}")
-    return path
+def load_workflow(source: str | Path | Mapping[str, Any], *, max_lora_rank: int | None = None) -> Workflow:
+    """A workflow from a TOML path, a dict, or a built-in or shipped name (:func:`load`); with
+    ``max_lora_rank``, checked against the engine that will serve it."""
+    if isinstance(source, Mapping):
+        return Workflow.from_dict(source, max_lora_rank=max_lora_rank)
+    wf = load(source)
+    if max_lora_rank is not None:
+        wf.check_engine(max_lora_rank)
+    return wf
 
 
 def humaneval_source() -> tuple[Path, str]:

@@ -12,7 +12,7 @@ exact ``/``; every intermediate value is a positive integer below 300), e.g.::
 A task record is ``{"id", "question", "answer", "plan", "solution"}``: ``answer`` is the gold value as
 a string (what ``teamrl.rewards.math_reward`` compares), ``plan`` a numbered list of the steps
 without their results and ``solution`` one ``a op b = c`` line per step (both used to write
-demonstrations for the embedded text model's warm start, ``teamrl.learner.modelbuild_text``;
+demonstrations for the embedded text model's warm start, ``teamrl.models.text``;
 docs/workflows.md describes the held-out split).
 
 Design decisions:

@@ -34,7 +34,7 @@ What the build does (deterministic for a given ``seed`` and ``steps`` on one mac
 
 The folder is an ordinary Hugging Face folder (``config.json``, ``generation_config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``)
-that vLLM and transformers load; ``teamrl.rollout.tokenizer.tokenizer_for`` reads it with
+that vLLM and transformers load; ``teamrl.rewards.tokenizer.tokenizer_for`` reads it with
 ``HFTokenizer``.
 
 Also here: :func:`build_random` (a random-initialised Llama-, Qwen3- or Qwen2-style folder with a BPE
@@ -285,7 +285,7 @@ def _tasks(name: str, seed: int) -> list[dict[str, Any]]:
 def demonstrations(tok: Any, n_episodes: int, seed: int = 0) -> list[Example]:
     """Examples from ``n_episodes`` scripted episodes of the text workflows (``EPISODE_MIX``), in order.
 
-    ``tok`` is a ``teamrl.rollout.tokenizer`` tokenizer; with ``ByteTokenizer`` the prompts are
+    ``tok`` is a ``teamrl.rewards.tokenizer`` tokenizer; with ``ByteTokenizer`` the prompts are
     plain text (used to gather the tokenizer's training text).
     """
     from teamrl.rollout.workflow import run_episode
@@ -341,7 +341,7 @@ def drill_lines(rng: random.Random, n: int) -> list[str]:
 @functools.lru_cache(maxsize=2)
 def _corpus(seed: int) -> tuple[str, ...]:
     """The tokenizer's training text: rendered demonstrations, bundled data and arithmetic lines."""
-    from teamrl.rollout.tokenizer import ByteTokenizer
+    from teamrl.rewards.tokenizer import ByteTokenizer
     from teamrl.rollout.workflows import data_path, humaneval_source
 
     bt = ByteTokenizer()
@@ -544,7 +544,7 @@ def measure(folder: str | Path, n_math: int = 100, model: Any = None) -> dict[st
     import torch
     from transformers import AutoModelForCausalLM
 
-    from teamrl.rollout.tokenizer import HFTokenizer
+    from teamrl.rewards.tokenizer import HFTokenizer
     from teamrl.rollout.workflows import load_tasks
 
     tok = HFTokenizer(folder)
@@ -630,7 +630,7 @@ def build_text(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from teamrl.rollout.tokenizer import HFTokenizer
+    from teamrl.rewards.tokenizer import HFTokenizer
 
     say = log or (lambda s: print(f"[model build text] {s}", flush=True))
     out = Path(out) if out else default_text_model_dir()

@@ -1,5 +1,8 @@
 """Tokenizers for building agent prompts: text in, the exact token ids the engine is given out.
 
+Here, below both services, because the rollout (prompts), the learner (its LangMARL judge) and the
+embedded model builders all tokenize, and rollout and learner never import each other.
+
 Design decisions:
 
 * **One small protocol** (:class:`Tokenizer`): ``encode``, ``decode``, ``chat`` (``None`` when the
