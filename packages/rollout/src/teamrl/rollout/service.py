@@ -36,6 +36,7 @@ import queue
 import random
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -276,7 +277,6 @@ class RolloutService:
         if metrics_port > 0:
             self.http = _Http((metrics_host, metrics_port), self)
             threading.Thread(target=self.http.serve_forever, name="teamrl-http", daemon=True).start()
-        self.engine: Any = None
         self.sender = _Sender(
             buffer, self.incarnation, cfg.window, self.transport.client_curve("rollout", "buffer_data")
         )
@@ -285,6 +285,43 @@ class RolloutService:
         self.fatal = False  # the engine died: exit non-zero so a supervisor restarts the service
         self._sampled_versions: set[int] = set()
         self.profiles_seen = -1  # newest profile version applied or refused
+        # where this replica stands: its shard of the tasks and its sampling seeds
+        ordinal = cfg.replica if cfg.replica >= 0 else _replica_from_env()
+        self.replica, self.num_replicas, self.seed_offset = ordinal or 0, cfg.num_replicas, ordinal or 0
+        if ordinal is None:
+            # A Deployment pod (name ends in a hash): no index to shard by. Every pod takes the
+            # whole task set and seeds from its incarnation id, so pods never repeat each other.
+            self.num_replicas = 1
+            self.seed_offset = int(self.incarnation.rsplit("-", 1)[-1], 16) % 2**31
+            if cfg.num_replicas > 1:
+                log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
+        self.adapter_root = Path(cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
+        self.eval_file = Path(cfg.eval_file) if cfg.eval_file and self.replica == 0 else None
+        self.samples_dir = Path(cfg.samples_dir) if cfg.samples_dir and self.replica == 0 else None
+        if self.samples_dir is not None:
+            self.samples_dir.mkdir(parents=True, exist_ok=True)
+        # the engine (started by ``start``) and the workflow runner on it
+        from teamrl.rollout.engine import EngineConfig, RolloutEngine
+        from teamrl.rollout.runner import WorkflowRunner
+
+        self.engine = RolloutEngine(
+            EngineConfig(
+                model=cfg.model,  # set by with_model(): the embedded model's folder when the config has none
+                seed=cfg.seed + self.seed_offset,
+                max_lora_rank=cfg.max_lora_rank,
+                lora_target_modules=tuple(cfg.lora_target_modules),
+                keep_versions=cfg.keep_versions,
+                kv_cache_bytes=cfg.kv_cache_bytes,
+            )
+        )
+        self.runner = WorkflowRunner(
+            cfg.workflow,
+            self.engine,
+            self.incarnation,
+            tasks=cfg.tasks,
+            reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
+        )
+        self.held_out = self.runner.held_out_tasks(cfg.eval_tasks)
 
     def not_ready_reason(self) -> str:
         if not self.started:
@@ -607,50 +644,36 @@ class RolloutService:
             self.last_tick = now
 
     async def main(self) -> int:
-        import tempfile
-
-        from teamrl.rollout.engine import EngineConfig, RolloutEngine
-        from teamrl.rollout.runner import WorkflowRunner
+        """Start the engine, run the loops until a stop, drain; the exit code (3: engine dead, a
+        supervisor restarts the service; 1: frames never acknowledged)."""
+        from teamrl.protocol.children import start_reaper
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
-        from teamrl.protocol.children import start_reaper
-
         start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
-        ordinal = self.cfg.replica if self.cfg.replica >= 0 else _replica_from_env()
-        self.replica, self.num_replicas, self.seed_offset = ordinal or 0, self.cfg.num_replicas, ordinal or 0
-        if ordinal is None:
-            # A Deployment pod (name ends in a hash): no index to shard by. Every pod takes the
-            # whole task set and seeds from its incarnation id, so pods never repeat each other.
-            self.num_replicas = 1
-            self.seed_offset = int(self.incarnation.rsplit("-", 1)[-1], 16) % 2**31
-            if self.cfg.num_replicas > 1:
-                log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
-        self.adapter_root = Path(self.cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
-        self.eval_file = Path(self.cfg.eval_file) if self.cfg.eval_file and self.replica == 0 else None
-        self.samples_dir = Path(self.cfg.samples_dir) if self.cfg.samples_dir and self.replica == 0 else None
-        if self.samples_dir is not None:
-            self.samples_dir.mkdir(parents=True, exist_ok=True)
-        model = self.cfg.model  # set by main(): the embedded model's folder when the config has none
-        self.engine = RolloutEngine(
-            EngineConfig(
-                model=model,
-                seed=self.cfg.seed + self.seed_offset,
-                max_lora_rank=self.cfg.max_lora_rank,
-                lora_target_modules=tuple(self.cfg.lora_target_modules),
-                keep_versions=self.cfg.keep_versions,
-                kv_cache_bytes=self.cfg.kv_cache_bytes,
-            )
+        await self.start()
+        loops = [
+            asyncio.create_task(c)
+            for c in (self.weights_loop(), self.throughput_loop(), self.heartbeat_loop())
+        ]
+        try:
+            await self.wait_for_version()
+            await self.produce()
+        finally:
+            await self.shutdown(loops)
+        log.info(
+            "rollout stopped: %d groups, %d episodes published; %d frames un-acknowledged",
+            self.groups_done,
+            self.episodes_done,
+            self.sender.lost,
         )
-        self.runner = WorkflowRunner(
-            self.cfg.workflow,
-            self.engine,
-            self.incarnation,
-            tasks=self.cfg.tasks,
-            reward_kwargs={"role_scale": dict(self.cfg.reward_scale)} if self.cfg.reward_scale else None,
-        )
-        self.held_out = self.runner.held_out_tasks(self.cfg.eval_tasks)
+        if self.fatal:
+            return 3
+        return 0 if self.sender.lost == 0 else 1
+
+    async def start(self) -> None:
+        """The sender thread and the vLLM engine (its start-up and warm-up take most of the time)."""
         self.sender.start()
         t0 = time.time()
         await self.engine.start()
@@ -666,32 +689,19 @@ class RolloutService:
             self.buffer,
             self.weights,
         )
-        weights = asyncio.create_task(self.weights_loop())
-        tput = asyncio.create_task(self.throughput_loop())
-        beats = asyncio.create_task(self.heartbeat_loop())
-        try:
-            await self.wait_for_version()
-            await self.produce()
-        finally:
-            self.stopping = True
-            M.READY.set(0)
-            for t in (weights, tput, beats):
-                t.cancel()
-            await asyncio.gather(weights, tput, beats, return_exceptions=True)
-            self.sender.stop_event.set()
-            await asyncio.to_thread(self.sender.join)
-            await self.engine.close()
-            if self.http is not None:
-                self.http.shutdown()
-        log.info(
-            "rollout stopped: %d groups, %d episodes published; %d frames un-acknowledged",
-            self.groups_done,
-            self.episodes_done,
-            self.sender.lost,
-        )
-        if self.fatal:
-            return 3
-        return 0 if self.sender.lost == 0 else 1
+
+    async def shutdown(self, loops: list[asyncio.Task]) -> None:
+        """Stop the loops, let the sender flush (acks), close the engine and the HTTP endpoint."""
+        self.stopping = True
+        M.READY.set(0)
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        self.sender.stop_event.set()
+        await asyncio.to_thread(self.sender.join)
+        await self.engine.close()
+        if self.http is not None:
+            self.http.shutdown()
 
     def request_stop(self, why: str = "") -> None:
         if not self.stopping:
