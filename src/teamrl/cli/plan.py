@@ -122,7 +122,7 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
         "learner": {
             "base_model": model,
             "adapters": list(ranks),
-            "lora": {"rank": max(ranks.values()), "target_modules": list(team.target_modules)},
+            "lora": {"target_modules": list(team.target_modules)},  # ranks: per adapter, below
             "agents": {
                 a: {"rank": r, "temperature": team.temperatures[a], **team.optimiser[a]}
                 for a, r in ranks.items()
