@@ -177,7 +177,11 @@ def test_a_user_workflow_with_routing_and_a_shared_adapter_trains(tmp_path: Path
     got = train(tmp_path / "run", str(path), "embedded")
     lrn = got["config"]["learner"]
     assert lrn["adapters"] == ["solver-lora", "verifier-lora"]
-    assert lrn["agents"] == {"solver-lora": {"rank": 8}, "verifier-lora": {"rank": 16}}
+    # each adapter its own rank, and the temperature its agents sample at (recomputed at it)
+    assert lrn["agents"] == {
+        "solver-lora": {"rank": 8, "temperature": 1.0},
+        "verifier-lora": {"rank": 16, "temperature": 1.0},
+    }
     assert got["config"]["rollout"]["workflow"] == str(path.resolve())
     assert got["config"]["rollout"]["max_lora_rank"] == 16
     from peft import LoraConfig
