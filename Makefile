@@ -25,7 +25,8 @@ bench: setup
 	$(PY) tests/bench/rollout_scaling.py --quick
 
 # The README's results (a)-(c), each over 5 seeds (mean and 95 % CI), their plots and table in
-# docs/results/ (runs kept in runs/results/): about 2.5 hours on 2 cores. Prints figures, asserts none.
+# docs/results/ (runs kept in runs/results/): about 30-60 minutes on 2 cores ((b) took 10 runs of ~60 s).
+# Prints figures, asserts none.
 results: setup
 	$(PY) tests/bench/compare_runs.py mode --out runs/results/mode
 	$(PY) tests/bench/compare_runs.py algorithm --steps 40 --reward-scale verifier=10 --out runs/results/algorithm

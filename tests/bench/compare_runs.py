@@ -19,7 +19,7 @@ signal); and the paired difference (second minus first) with its interval. With 
 Dr. MAS figure). The last line is ``compare_<what>=<float>``: for ``mode`` the sync/async ratio of mean
 time-to-target (>1: async reached it sooner), else the ratio of mean end accuracies (second/first).
 This prints figures; it asserts nothing about them. ``make results`` runs all three and the table
-(about 2.5 hours on 2 cores with the defaults).
+(about 30-60 minutes on 2 cores with the defaults).
 """
 
 from __future__ import annotations
