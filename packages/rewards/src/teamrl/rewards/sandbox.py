@@ -269,6 +269,23 @@ _probe_lock = threading.Lock()
 _probe_result: tuple[bool, str] | None = None
 
 
+def _bind_back(root: str, paths: set[str]) -> list[str]:
+    """``bwrap`` arguments that show ``paths`` under a covered ``root`` again, read-only at their own
+    paths, after making the folders that lead to them (mode 0755) inside the cover."""
+    args: list[str] = []
+    made = {root}
+    for keep in sorted(k for k in paths if k.startswith(root + "/")):
+        chain, parent = [], os.path.dirname(keep)
+        while parent not in made and parent.startswith(root + "/"):
+            chain.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(chain):
+            args += ["--perms", "0755", "--dir", d]
+            made.add(d)
+        args += ["--ro-bind", keep, keep]
+    return args
+
+
 def _bwrap_args(workdir: str) -> list[str]:
     """The ``bwrap`` command line (up to ``--``) for one run whose working folder is ``workdir``.
 
@@ -283,31 +300,11 @@ def _bwrap_args(workdir: str) -> list[str]:
     for hidden in _HIDDEN:
         if not os.path.isdir(hidden) or os.path.islink(hidden):
             continue
-        args += ["--tmpfs", hidden]
-        made = {hidden}
-        for keep in sorted(k for k in interp if k.startswith(hidden + "/")):
-            parent = os.path.dirname(keep)
-            chain = []
-            while parent not in made and parent.startswith(hidden + "/"):
-                chain.append(parent)
-                parent = os.path.dirname(parent)
-            for d in reversed(chain):
-                args += ["--perms", "0755", "--dir", d]
-                made.add(d)
-            args += ["--ro-bind", keep, keep]
+        args += ["--tmpfs", hidden, *_bind_back(hidden, interp)]
     args += ["--bind", workdir, _SANDBOX_TMP, "--chdir", _SANDBOX_TMP]
     # An interpreter (e.g. a virtual environment) under /tmp is shadowed by the run's folder:
     # bind it back read-only at its own path (the folders leading to it are made in the run's folder).
-    made = {_SANDBOX_TMP}
-    for keep in sorted(k for k in interp if k.startswith(_SANDBOX_TMP + "/")):
-        chain, parent = [], os.path.dirname(keep)
-        while parent not in made and parent.startswith(_SANDBOX_TMP + "/"):
-            chain.append(parent)
-            parent = os.path.dirname(parent)
-        for d in reversed(chain):
-            args += ["--perms", "0755", "--dir", d]
-            made.add(d)
-        args += ["--ro-bind", keep, keep]
+    args += _bind_back(_SANDBOX_TMP, interp)
     args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--die-with-parent", "--new-session"]
     if os.geteuid() == 0:
