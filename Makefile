@@ -25,13 +25,17 @@ bench: setup
 	$(PY) tests/bench/rollout_scaling.py --quick
 
 # The README's results (a)-(c), each over 5 seeds (mean and 95 % CI), their plots and table in
-# docs/results/ (runs kept in runs/results/): about 30-60 minutes on 2 cores ((b) took 10 runs of ~60 s).
+# docs/results/ (runs kept in runs/results/): about 30-60 minutes on 2 cores ((b) took 10 runs of ~60 s);
+# then (e), the role-swap ablation (one training run and five evaluations: about 6 minutes), and (f),
+# the staleness table (10 sync runs: about 25 minutes).
 # Prints figures, asserts none.
 results: setup
 	$(PY) tests/bench/compare_runs.py mode --out runs/results/mode
 	$(PY) tests/bench/compare_runs.py algorithm --steps 40 --reward-scale verifier=10 --out runs/results/algorithm
 	$(PY) tests/bench/compare_runs.py update-order --steps 40 --out runs/results/update-order
 	$(PY) tests/bench/compare_runs.py table runs/results docs/results
+	$(PY) tests/bench/role_swap.py --run-dir runs/results/role-swap --out docs/results/role_swap
+	$(PY) tests/bench/staleness.py --runs runs/results/staleness --out docs/results/staleness
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results

@@ -196,6 +196,9 @@ def table(folder: Path, dest: Path) -> int:
             if (src / f).is_file():
                 shutil.copyfile(src / f, dest / f"{what}-{f}")
     text = "\n".join(rows) + "\n"
+    others = sorted(d.name for d in dest.iterdir() if (d / "table.md").is_file())
+    if others:  # written by the other results benches (role_swap.py, staleness.py)
+        text += "\nAlso here: " + ", ".join(f"[{name}]({name}/table.md)" for name in others) + ".\n"
     (dest / "README.md").write_text(
         "# Results\n\nWritten by `make results` (tests/bench/compare_runs.py); plots and per-seed "
         "summaries beside this file.\n\n" + text

@@ -5,22 +5,29 @@ batch (``--rows`` agent steps of ``--prompt`` + ``--response`` tokens, one micro
 one forward over the rows, the PPO-clip loss on the response tokens, one backward and one AdamW step
 with global grad-norm clipping at 1.0. Ours runs as the learner service runs it (one adapter, the
 default decoupled objective, DeepSpeed ZeRO-2 engine, simultaneous update, so no extra no-grad pass)
-and adds building rows from ``GraphTrajectory`` objects, advantages and its metrics. Rounds alternate
+and adds decoding the sample's Arrow frame, the rows gathered from its columns, advantages and its
+metrics. Rounds alternate
 bare / ours after a warm-up of each; the median of each side is printed, and the ratio is the median of
 the per-round ratios (adjacent measurements, so drifting load from other processes cancels). On CPU
 torch runs one thread by default (``--threads``) and the ratio is taken from process CPU time
 (``--clock``), since wall time on a shared machine measures the neighbours. Not a timed test.
 
-Then the weight push: ``export_adapters`` + ``folder_payload`` + sha256 on the learner side, and
-unpack + sha256 check + PEFT ``load_adapter`` on a receiving copy of the base, until its probe
+Then the weight push in shared-folder mode, as the services run it: ``export_adapters`` + sha256 of
+the written files on the learner side; the files' sha256 checked in place + PEFT ``load_adapter``
+from the same folder on a receiving copy of the base (no archive, no copy), until its probe
 log-probs equal the learner's within the dtype's tolerance (:func:`push_atol`; ``--push-rank`` pushes
 an adapter of another LoRA rank, from a learner built for it). The vLLM hot-load on a rollout is measured by the rollout benchmark
 (``tests/bench/rollout.py``) and the rollout adapter tests, not here.
 
     python tests/bench/learner.py [--quick] [--model DIR] [--device cpu|cuda] [--random-init-qwen05b]
-        [--rows N --prompt P --response R] [--push-rank 16]
+        [--rows N --prompt P --response R] [--push-rank 16] [--team]
 
-Last line: ``learner_ratio=<ours/bare tokens per second>``.
+``--team`` adds a two-adapter step: our sequential update (HAPPO factor) of two LoRA adapters on the
+same base against the same update written by hand on a two-adapter PEFT model (the first adapter's
+log-probs before its step (from its training forward) and after it (a no-grad pass), then the
+second's step with the factor).
+
+Last lines: ``team_ratio=<...>`` (with ``--team``) and ``learner_ratio=<ours/bare tokens per second>``.
 """
 
 from __future__ import annotations
@@ -75,35 +82,55 @@ def _qwen05b_shaped(out: Path, dtype: str) -> Path:
     return out
 
 
-def _trajectories(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> list:
+def _trajectories(
+    rows: int, prompt: int, response: int, vocab: int, seed: int = 0, adapters: tuple[str, ...] = (ADAPTER,)
+) -> list:
+    """``rows`` agent steps of random tokens: ``rows / len(adapters)`` one-turn episodes in which
+    each adapter's agent acts once, in order (the joint samples of the HAPPO factor)."""
     import numpy as np
 
     from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
 
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(rows):
-        step = AgentStep(
-            agent_id="solver",
-            role="solver",
-            model_id="bench",
-            adapter=ADAPTER,
-            policy_version=0,
-            turn=0,
-            parents=np.zeros(0, np.int32),
-            prompt_ids=rng.integers(2, vocab, prompt, dtype=np.int32),
-            response_ids=rng.integers(2, vocab, response, dtype=np.int32),
-            logprobs=-rng.exponential(1.0, response).astype(np.float32),
-            reward=float(rng.normal()),
-        )
-        out.append(GraphTrajectory(f"e{i}", "bench", i, f"t{i // 8}", f"g{i // 8}", "w", [step], reward=0.0))
+    for i in range(rows // len(adapters)):
+        steps = [
+            AgentStep(
+                agent_id=adapter.removesuffix("-lora"),
+                role=adapter.removesuffix("-lora"),
+                model_id="bench",
+                adapter=adapter,
+                policy_version=0,
+                turn=0,
+                parents=np.arange(min(k, 1), dtype=np.int32) + max(k - 1, 0),
+                prompt_ids=rng.integers(2, vocab, prompt, dtype=np.int32),
+                response_ids=rng.integers(2, vocab, response, dtype=np.int32),
+                logprobs=-rng.exponential(1.0, response).astype(np.float32),
+                reward=float(rng.normal()),
+            )
+            for k, adapter in enumerate(adapters)
+        ]
+        out.append(GraphTrajectory(f"e{i}", "bench", i, f"t{i // 8}", f"g{i // 8}", "w", steps, reward=0.0))
     return out
 
 
 class Bare:
-    """The reference: PEFT model + torch AdamW, nothing else (the same math as one ``train_step``)."""
+    """The reference: PEFT model + torch AdamW, nothing else (the same math as one ``train_step``).
 
-    def __init__(self, model_dir: Path, device: str, dtype: str, lr: float, seed: int) -> None:
+    With several adapters (one LoRA each on the same base, one AdamW each) ``step`` trains the one
+    named, and ``happo`` is the sequential update written out by hand: the first adapter's log-probs
+    before its step (its training forward's, detached) and after it (one no-grad pass) give the
+    factor that weights the second one's advantages."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str,
+        dtype: str,
+        lr: float,
+        seed: int,
+        adapters: tuple[str, ...] = (ADAPTER,),
+    ) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
@@ -112,16 +139,22 @@ class Bare:
         tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).to(device)
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, bias="none")
-        self.model = get_peft_model(base, lora, adapter_name=ADAPTER)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999))
+        self.model = get_peft_model(base, lora, adapter_name=adapters[0])
+        for name in adapters[1:]:
+            self.model.add_adapter(name, lora)
+        named = list(self.model.named_parameters())
+        self.params = {a: [p for n, p in named if f".{a}." in n] for a in adapters}
+        self.opts = {
+            a: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0, betas=(0.9, 0.999))
+            for a, ps in self.params.items()
+        }
         self.device = device
 
-    def prepare(self, trajs: list) -> dict:
-        """Tensors of the batch, built once outside the timed loop (the bare side's best case)."""
+    def prepare(self, trajs: list, k: int = 0) -> dict:
+        """Tensors of agent ``k``'s rows, built once outside the timed loop (the bare side's best case)."""
         import torch
 
-        steps = [t.steps[0] for t in trajs]
+        steps = [t.steps[k] for t in trajs]
         p, r = len(steps[0].prompt_ids), len(steps[0].response_ids)
         ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids) for s in steps], dtype=torch.long)
         rewards = torch.tensor([s.reward for s in steps])
@@ -134,21 +167,38 @@ class Bare:
             "p": p,
         }
 
-    def step(self, b: dict) -> float:
+    def _logp(self, b: dict):
         import torch
 
-        self.model.train()
         p = b["p"]
         logits = self.model(input_ids=b["ids"], position_ids=b["pos"], use_cache=False).logits
         sel = logits[:, p - 1 : -1].float()
-        logp = torch.log_softmax(sel, dim=-1).gather(-1, b["resp"][..., None]).squeeze(-1)
+        return torch.log_softmax(sel, dim=-1).gather(-1, b["resp"][..., None]).squeeze(-1)
+
+    def step(self, b: dict, adapter: str = ADAPTER, factor=None):
+        """One PPO-clip step of ``adapter``; returns its log-probs before the step (detached, [rows])."""
+        import torch
+
+        self.model.set_adapter(adapter)
+        self.model.train()
+        logp = self._logp(b)
         ratio = torch.exp(logp - logp.detach())
-        loss = torch.maximum(-ratio * b["adv"], -ratio.clamp(0.8, 1.2) * b["adv"]).mean()
+        adv = b["adv"] if factor is None else b["adv"] * factor[:, None]
+        loss = torch.maximum(-ratio * adv, -ratio.clamp(0.8, 1.2) * adv).mean()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.params[adapter], 1.0)
+        self.opts[adapter].step()
+        self.opts[adapter].zero_grad(set_to_none=True)
+        return logp.detach().sum(-1)
+
+    def happo(self, first: dict, second: dict, adapters: tuple[str, str]) -> None:
+        import torch
+
+        old = self.step(first, adapters[0])  # the training forward's log-probs are the old policy's
+        self.model.eval()
+        with torch.no_grad():
+            new = self._logp(first).sum(-1)
+        self.step(second, adapters[1], factor=torch.exp(new - old))
 
 
 def _sync(device: str) -> None:
@@ -158,32 +208,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_update(args: argparse.Namespace, model_dir: Path) -> tuple[float, object, int]:
+def _ours(args: argparse.Namespace, model_dir: Path, adapters: list[str], order: str, rank: int = 8):
     from teamrl.learner.engine import AdapterSettings, LearnerEngine
 
-    ours = LearnerEngine(
+    return LearnerEngine.build(
         model_dir,
-        [ADAPTER],
-        adapter_settings={ADAPTER: AdapterSettings(lr=1e-4, clip_low=0.2, clip_high=0.2)},
+        adapters,
+        adapter_settings={a: AdapterSettings(lr=1e-4, clip_low=0.2, clip_high=0.2) for a in adapters},
+        lora_rank=rank,
+        lora_alpha=2.0 * rank,
         dtype=args.dtype,
         device=args.device,
         micro_batch_rows=args.rows,
         logprob_tolerance=None,
-        update_order="simultaneous",
+        update_order=order,
         zero_stage=args.zero_stage,
     )
-    bare = Bare(model_dir, ours.device, args.dtype, 1e-4, seed=0)
-    vocab = int(ours.model.config.vocab_size)
-    trajs = _trajectories(args.rows, args.prompt, args.response, vocab)
-    prepared = bare.prepare(trajs)
-    tokens = args.rows * (args.prompt + args.response)
 
-    def run_ours(step: int) -> None:
-        ours.train_step(trajs, step, 0)
 
-    def run_bare(step: int) -> None:
-        bare.step(prepared)
-
+def _paired(args: argparse.Namespace, label: str, tokens: int, run_bare, run_ours) -> float:
+    """Warm up both sides, time ``args.rounds`` adjacent (bare, ours) pairs, print, return the ratio."""
     wall: dict[str, list[float]] = {"ours": [], "bare": []}
     cpu: dict[str, list[float]] = {"ours": [], "bare": []}
     for fn in (run_bare, run_ours):
@@ -198,13 +242,11 @@ def bench_update(args: argparse.Namespace, model_dir: Path) -> tuple[float, obje
             _sync(args.device)
             wall[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
-    print(
-        f"update batch: {args.rows} rows x ({args.prompt} prompt + {args.response} response) = {tokens} tokens"
-    )
-    for label, name in (("bare PyTorch+PEFT", "bare"), ("ours train_step  ", "ours")):
+    print(label)
+    for side, name in (("bare PyTorch+PEFT", "bare"), ("ours train_step  ", "ours")):
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         print(
-            f"{label}: {tokens / w:10.0f} tokens/s wall (median step {w * 1e3:7.1f} ms), "
+            f"{side}: {tokens / w:10.0f} tokens/s wall (median step {w * 1e3:7.1f} ms), "
             f"{tokens / c:10.0f} tokens per CPU-second ({c * 1e3:7.1f} ms)"
         )
     # On CPU the ratio uses process CPU time: on a machine shared with other work, wall time measures
@@ -213,9 +255,58 @@ def bench_update(args: argparse.Namespace, model_dir: Path) -> tuple[float, obje
     clock = cpu if args.clock == "cpu" else wall
     ratio = statistics.median(b / o for b, o in zip(clock["bare"], clock["ours"], strict=True))
     print(f"ratio by {args.clock} time: {ratio:.3f}")
+    return ratio
+
+
+def bench_update(args: argparse.Namespace, model_dir: Path) -> tuple[float, object, int]:
+    from teamrl.protocol.codec import decode_batches, encode_trajectories_buffer
+
+    ours = _ours(args, model_dir, [ADAPTER], "simultaneous")
+    bare = Bare(model_dir, ours.device, args.dtype, 1e-4, seed=0)
+    vocab = int(ours.model.config.vocab_size)
+    trajs = _trajectories(args.rows, args.prompt, args.response, vocab)
+    prepared = bare.prepare(trajs)
+    frame = encode_trajectories_buffer(trajs)
+
+    def run_ours(step: int) -> None:  # as the service runs it: the reply frame decoded, then the step
+        ours.train_step(decode_batches(frame), step, 0)
+
+    def run_bare(step: int) -> None:
+        bare.step(prepared)
+
+    tokens = args.rows * (args.prompt + args.response)
+    label = f"update batch: {args.rows} rows x ({args.prompt} prompt + {args.response} response) = {tokens} tokens"
+    ratio = _paired(args, label, tokens, run_bare, run_ours)
     if args.profile:
         _profile(args, {"bare": run_bare, "ours": run_ours})
     return ratio, ours, vocab
+
+
+def bench_team(args: argparse.Namespace, model_dir: Path) -> float:
+    """Two adapters, sequential update with the HAPPO factor, against the same update by hand."""
+    from teamrl.protocol.codec import decode_batches, encode_trajectories_buffer
+
+    pair = (ADAPTER, "verifier-lora")
+    ours = _ours(args, model_dir, list(pair), "sequential")
+    bare = Bare(model_dir, ours.device, args.dtype, 1e-4, seed=0, adapters=pair)
+    vocab = int(ours.model.config.vocab_size)
+    trajs = _trajectories(args.rows, args.prompt, args.response, vocab, adapters=pair)
+    first, second = bare.prepare(trajs, 0), bare.prepare(trajs, 1)
+    frame = encode_trajectories_buffer(trajs)
+    tokens = args.rows * (args.prompt + args.response)
+    label = (
+        f"two adapters, sequential (HAPPO factor): {args.rows // 2} episodes x 2 agents x "
+        f"({args.prompt} + {args.response}) = {tokens} tokens; bare = the first adapter's step and "
+        "a no-grad pass after it, then the second's step with the factor"
+    )
+    ratio = _paired(
+        args,
+        label,
+        tokens,
+        lambda step: bare.happo(first, second, pair),
+        lambda step: ours.train_step(decode_batches(frame), step, 0),
+    )
+    return ratio
 
 
 def _profile(args: argparse.Namespace, fns: dict) -> None:
@@ -264,7 +355,7 @@ def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> N
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from teamrl.protocol.adapters import folder_payload, payload_sha256, unpack_adapter_payload
+    from teamrl.protocol.adapters import adapter_dirs, adapters_sha256
 
     tdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     recv_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).to(ours.device)
@@ -272,7 +363,7 @@ def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> N
     prompt = [1 + (i % (vocab - 2)) for i in range(8)]
     completion = [2 + (i % (vocab - 2)) for i in range(4)]
     tmp = Path(tempfile.mkdtemp(prefix="teamrl-push-"))
-    parts: dict[str, list[float]] = {k: [] for k in ("export", "pack+sha", "unpack+verify", "load", "total")}
+    parts: dict[str, list[float]] = {k: [] for k in ("export", "sha", "check", "load", "total")}
     size = 0
     errs: list[float] = []
     for v in range(1, args.pushes + 1):
@@ -280,14 +371,13 @@ def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> N
         want = ours.completion_logprobs(ADAPTER, prompt, completion)
         _sync(args.device)
         t0 = time.perf_counter()
-        ours.export_adapters(tmp / f"v{v}")
+        exported = ours.export_adapters(tmp / f"v{v}")
         t1 = time.perf_counter()
-        data = folder_payload(tmp / f"v{v}")
-        sha = payload_sha256(data)
+        sha = adapters_sha256(exported)  # what the announcement carries
         t2 = time.perf_counter()
-        if payload_sha256(data) != sha:  # the receiver checks the announced digest
+        got = adapter_dirs(tmp / f"v{v}")  # the receiver: checked listing, digest, load in place
+        if adapters_sha256(got) != sha:
             raise RuntimeError("sha256 mismatch")
-        got = unpack_adapter_payload(data, tmp / f"recv{v}")
         t3 = time.perf_counter()
         name = f"{ADAPTER}@v{v}"
         if receiver is None:
@@ -299,7 +389,7 @@ def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> N
         receiver.eval()
         _sync(args.device)
         t4 = time.perf_counter()
-        size = len(data)
+        size = sum(f.stat().st_size for f in got[ADAPTER].iterdir() if f.name.startswith("adapter_"))
         with torch.no_grad():
             ids = torch.tensor([prompt + completion], device=ours.device)
             logp = torch.log_softmax(receiver(input_ids=ids).logits[0].float(), -1)
@@ -316,9 +406,9 @@ def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> N
     med = {k: statistics.median(x) for k, x in parts.items()}
     rank = ours.model.peft_config[ADAPTER].r
     print(
-        f"weight push, LoRA r {rank} ({size / 1024:.0f} KiB payload, median of {args.pushes}): total "
-        f"{med['total']:.1f} ms = export {med['export']:.1f} + pack+sha256 {med['pack+sha']:.1f} + "
-        f"unpack+verify {med['unpack+verify']:.1f} + PEFT load {med['load']:.1f} ms (receiver's probe "
+        f"weight push, LoRA r {rank} ({size / 1024:.0f} KiB adapter, median of {args.pushes}): total "
+        f"{med['total']:.1f} ms = export {med['export']:.1f} + sha256 {med['sha']:.1f} + "
+        f"check in place {med['check']:.1f} + PEFT load {med['load']:.1f} ms (receiver's probe "
         f"log-probs match: max |diff| {max(errs):.1e} <= {push_atol(args.dtype):.1e}, {args.dtype})"
     )
     print("vLLM hot-load latency of a pushed adapter is measured by tests/bench/rollout.py, not here")
@@ -342,6 +432,11 @@ def main() -> None:
     p.add_argument("--pushes", type=int, default=0)
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=2, help="ours' ZeRO stage")
     p.add_argument("--profile", type=int, default=0, help="torch-profile this many steps of each side")
+    p.add_argument(
+        "--team",
+        action="store_true",
+        help="also time a two-adapter sequential step (HAPPO factor) against the same update by hand",
+    )
     p.add_argument(
         "--push-rank", type=int, default=0, help="LoRA rank of the pushed adapter (default: the update's, 8)"
     )
@@ -384,24 +479,13 @@ def main() -> None:
         model_dir = build()
         print(f"model: embedded ({model_dir}), {args.dtype}, {args.device}")
     ratio, ours, vocab = bench_update(args, model_dir)
+    team_ratio = bench_team(args, model_dir) if args.team else None
     if args.push_rank and args.push_rank != 8:
-        from teamrl.learner.engine import AdapterSettings, LearnerEngine
-
         del ours
-        ours = LearnerEngine(
-            model_dir,
-            [ADAPTER],
-            adapter_settings={ADAPTER: AdapterSettings(lr=1e-4, clip_low=0.2, clip_high=0.2)},
-            lora_rank=args.push_rank,
-            lora_alpha=2.0 * args.push_rank,
-            dtype=args.dtype,
-            device=args.device,
-            micro_batch_rows=args.rows,
-            logprob_tolerance=None,
-            update_order="simultaneous",
-            zero_stage=args.zero_stage,
-        )
+        ours = _ours(args, model_dir, [ADAPTER], "simultaneous", rank=args.push_rank)
     bench_push(ours, model_dir, args, vocab)
+    if team_ratio is not None:
+        print(f"team_ratio={team_ratio:.3f}")
     print(f"learner_ratio={ratio:.3f}")
 
 

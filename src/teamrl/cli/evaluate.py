@@ -1,6 +1,7 @@
 """``teamrl eval``: a workflow's held-out avg@k and pass@k, with or without trained adapters.
 
     teamrl eval --adapters runs/demo/adapters/v60 --n 8 --k 1,4,8
+    teamrl eval --adapters runs/demo/adapters/v60 --serve solver-lora=verifier-lora --serve verifier-lora=solver-lora
 
 Samples ``n`` episodes per held-out task on vLLM (temperature ``--temperature``) and reports, over
 tasks, avg@n (mean success over the samples) and the unbiased pass@k of Chen et al. 2021 (eq. 1):
@@ -78,6 +79,7 @@ async def _run(args: argparse.Namespace) -> dict:
             subs = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
             if not subs:
                 raise SystemExit(f"teamrl eval: {folder} holds no PEFT adapter folder")
+            subs = _served_as(subs, args.serve)
             probe = next((a for a in team.adapters if a in subs), next(iter(subs)))
             prompt, completion = list(team.probe_prompt), list(team.probe_completion)
             version = 1
@@ -109,6 +111,7 @@ async def _run(args: argparse.Namespace) -> dict:
     out: dict = {
         "workflow": runner.name,
         "adapters": args.adapters or "(base model)",
+        "serve": dict(args.serve),
         "tasks": len(tasks),
         "n": args.n,
         "temperature": args.temperature,
@@ -132,6 +135,24 @@ async def _run(args: argparse.Namespace) -> dict:
     return out
 
 
+def _served_as(subs: dict[str, Path], serve: list[tuple[str, str]]) -> dict[str, Path]:
+    """The adapter folders with ``--serve NAME=OTHER`` applied: adapter NAME is served with OTHER's
+    weights (every OTHER read from the folder as trained, so NAME=OTHER,OTHER=NAME swaps two)."""
+    out = dict(subs)
+    for name, other in serve:
+        if name not in subs or other not in subs:
+            raise SystemExit(f"teamrl eval: --serve {name}={other}: the folder holds {sorted(subs)}")
+        out[name] = subs[other]
+    return out
+
+
+def _pair(text: str) -> tuple[str, str]:
+    name, sep, other = text.partition("=")
+    if not sep or not name or not other:
+        raise argparse.ArgumentTypeError(f"expected ADAPTER=OTHER_ADAPTER, got {text!r}")
+    return name, other
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="teamrl eval",
@@ -144,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="model folder, 'embedded' or 'embedded-text' (default: the workflow's models.<id>.path, else embedded)",
     )
     p.add_argument("--adapters", default=None, help="a version folder (RUN/adapters/vN) of PEFT adapters")
+    p.add_argument(
+        "--serve",
+        type=_pair,
+        action="append",
+        default=[],
+        metavar="ADAPTER=OTHER",
+        help="serve ADAPTER with OTHER's trained weights (repeatable; a=b --serve b=a swaps two roles' "
+        "adapters, a=b alone gives both roles b's): the role-swap ablation",
+    )
     p.add_argument(
         "--tasks", default=None, help="JSONL/Parquet task file (default: the workflow's held-out split)"
     )

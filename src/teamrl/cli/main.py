@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         return COMMANDS[name][1](args, [])
     if name in SERVICES:
+        from teamrl.protocol.children import die_with_parent_from_env
+
+        die_with_parent_from_env()  # a supervised service: SIGTERM when its supervisor dies
         _stacks_on_sigusr1()
     args = argparse.Namespace(cmd=name)
     try:

@@ -125,6 +125,13 @@ def build_parser(
         help="async (default): buffer, rollouts and learners as separate processes over ZeroMQ; "
         "sync: generate a batch, train, generate again, in one process",
     )
+    p.add_argument(
+        "--policy-lag",
+        type=_at_least(0),
+        default=0,
+        help="sync only: generate each batch with the adapters of k versions ago, an exact, imposed "
+        "staleness (the AReaL staleness experiment); 0 (default): the latest",
+    )
     p.add_argument("--rollouts", type=_at_least(1), default=1, help="rollout services (async; default 1)")
     p.add_argument("--learners", type=_at_least(1), default=1, help="learner ranks (async; default 1)")
     p.add_argument(
@@ -211,6 +218,9 @@ def main(
             if k not in ("run_dir", "resume"):
                 setattr(args, k, v)
         args.run_dir, args.mode = args.resume, "async"
+    if args.policy_lag and args.mode != "sync":
+        print(f"{prog}: --policy-lag needs --mode sync (an async run's lag is what it is)", file=sys.stderr)
+        return 2
     from teamrl.cli.plan import PlanError, plan
 
     try:

@@ -188,6 +188,9 @@ def prepare_run_dir(args: argparse.Namespace, plan: RunPlan, run_dir: Path, wiri
     return float(saved["t0"])
 
 
+RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def plan_services(args: argparse.Namespace, run_dir: Path, wiring: Wiring, t0: float) -> list[Service]:
     """The services of this start, in start order: the buffer, the learner ranks, the rollouts. Pure:
     nothing is started, nothing is written."""
@@ -219,7 +222,9 @@ def plan_services(args: argparse.Namespace, run_dir: Path, wiring: Wiring, t0: f
         argv += ["--run-dir", str(run_dir), "--threads", str(args.threads_per_service)]
         argv += ["--metrics-port", str(metrics)]
         argv += ["--tensorboard", str(run_dir / "tensorboard")] if args.tensorboard else []
-        out.append(Service(f"learner-{rank}", argv, logs / f"learner-{rank}.log", lenv))
+        # the launcher owns its learners' rendezvous: one inherited from the caller's environment
+        # (a shell under torchrun, a process that ran a learner in-process) would name its port
+        out.append(Service(f"learner-{rank}", argv, logs / f"learner-{rank}.log", lenv, RENDEZVOUS_VARS))
     # Rollouts on this machine get disjoint cores: left to vLLM's automatic binding, every engine
     # binds its worker to the same core(s). An operator's own VLLM_CPU_OMP_THREADS_BIND wins.
     rollout_env = [{**env, **share} for share in core_shares(args.rollouts)]

@@ -9,9 +9,12 @@ The same components as the asynchronous run, one after the other, for any workfl
    DEALER -> ROUTER pair on loopback, acked) to the learner side, which decodes them again.
 3. The DeepSpeed learner (``teamrl.learner.engine``), built from the run's resolved ``[learner]``
    table exactly as a learner service builds it, updates the workflow's adapters agent by agent.
-4. The adapters are exported in PEFT format, packed with a sha256, and hot-loaded into vLLM under a
-   new version, which must pass the probe (log-probs of a held-out prompt) first.
-5. Every ``eval_interval`` versions the team is evaluated greedily on held-out tasks.
+4. The adapters are exported in PEFT format with a sha256 of their files, and hot-loaded into vLLM
+   under a new version, which must pass the probe (log-probs of a held-out prompt) first. With
+   ``--policy-lag k`` the version loaded is the one k versions back (kept with its probes), so every
+   batch is generated exactly k versions stale; the final evaluation loads the latest.
+5. Every ``eval_interval`` versions the team is evaluated greedily on held-out tasks (the version
+   the rollouts hold; the last evaluation, the trained adapters).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     from teamrl.learner.config import LearnerConfig
     from teamrl.learner.engine import LearnerEngine, init_distributed
     from teamrl.protocol import decode_trajectories, encode_trajectories
-    from teamrl.protocol.adapters import folder_payload, payload_sha256
+    from teamrl.protocol.adapters import adapters_sha256
     from teamrl.protocol.children import start_reaper
     from teamrl.protocol.control import Probe
     from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
@@ -55,7 +58,7 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     print(f"[teamrl] run folder {run_dir}; model {plan.model}", flush=True)
 
     init_distributed("cpu")
-    learner = LearnerEngine(plan.model, device="cpu", **lcfg.engine_kwargs())
+    learner = LearnerEngine(plan.model, lcfg.adapters, lcfg.engine_settings(), device="cpu")
     probe_adapter = lcfg.adapters[0]
     receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
     incarnation = uuid.uuid4().hex[:12]
@@ -81,10 +84,13 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     await eng.start()
     print(f"[teamrl] vLLM engine up after {time.time() - t_begin:.0f} s", flush=True)
 
-    async def publish(version: int) -> dict[str, Any]:
+    exported: dict[int, tuple[dict[str, Path], dict[str, Any], str]] = {}
+    lag = int(getattr(args, "policy_lag", 0))
+
+    def export(version: int) -> None:
+        """Export the learner's adapters as ``version`` with their probes (kept for a lagged load)."""
         folder = run_dir / "adapters" / f"v{version}"
         folders = learner.export_adapters(folder)
-        sha = payload_sha256(folder_payload(folder))
         probes = {
             a: Probe(
                 prompt_ids=lcfg.probe_prompt,
@@ -94,6 +100,13 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
             )
             for a in lcfg.adapters
         }
+        exported[version] = (folders, probes, adapters_sha256(folders))
+        for old in [v for v in exported if v < version - lag]:
+            del exported[old]
+
+    async def publish(version: int) -> dict[str, Any]:
+        """Load ``version`` (exported earlier) into vLLM; it must reproduce its probes first."""
+        folders, probes, sha = exported[version]
         main = probes[probe_adapter]
         res = await eng.load_version(
             version,
@@ -117,9 +130,10 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
         )
         eval_f.flush()
         print(f"[teamrl] step {step} held-out: {json.dumps(ev)}", flush=True)
-        return ev
+        return {**ev, "version": version}
 
     version = 0
+    export(version)
     await publish(version)
     first = last = await evaluate(0, 0)
     for step in range(args.steps):
@@ -141,8 +155,9 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
         sender.flush(2.0)
         res = learner.train_step(got, step, version, fresh_version=version)
         version += 1
-        try:
-            pub = await publish(version)
+        export(version)
+        try:  # with --policy-lag k the rollouts get version - k: the next batch is k versions stale
+            pub = await publish(version - lag) if version - lag > 0 else {}
         except AdapterRefused as e:
             print(f"[teamrl] v{version} refused ({e.reason}): {e}", file=sys.stderr, flush=True)
             pub = {"probe_err": float("nan")}
@@ -170,8 +185,10 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
             f"({time.time() - t0:.1f} s, gen {t_gen:.1f} s)",
             flush=True,
         )
+        if lag and step + 1 == args.steps:  # the final evaluation is of the trained adapters
+            await publish(version)
         if args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-            last = await evaluate(step + 1, version)
+            last = await evaluate(step + 1, version if step + 1 == args.steps else eng.version)
     sender.close()
     receiver.close()
     await eng.close()

@@ -24,10 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from teamrl.protocol.children import parent_death_preexec
+from teamrl.protocol.children import parent_death_env
 
-# In each service before exec: SIGTERM when the supervisor dies (the service drains and exits).
-_DIE_WITH_PARENT = parent_death_preexec(signal.SIGTERM)
 STACKS_GRACE_S = 2.0  # between SIGUSR1 (print stacks) and SIGKILL
 
 
@@ -43,6 +41,7 @@ class Service:
     argv: list[str]
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()  # inherited variables the service must not see (e.g. a rendezvous)
     proc: subprocess.Popen | None = None
     group_ended: bool = False  # the group of the exited ``proc`` was SIGKILLed (once: pgids recycle)
     killed: bool = False  # SIGKILLed by ``stop`` after ignoring SIGTERM
@@ -50,7 +49,12 @@ class Service:
     def start(self) -> None:
         self.end_group()  # a restart: nothing of the previous incarnation may hold ports or memory
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env}
+        env = {k: v for k, v in os.environ.items() if k not in self.unset} | self.env
+        # SIGTERM when the supervisor dies (the service drains and exits), set by the service itself
+        # (teamrl.protocol.children). Only the main thread lives as long as the supervisor:
+        # PDEATHSIG fires when the *thread* that started the child exits.
+        if threading.current_thread() is threading.main_thread():
+            env |= parent_death_env(signal.SIGTERM)
         fh = open(self.log, "ab")  # noqa: SIM115  (owned by the child for its lifetime)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "teamrl.cli.main", *self.argv],
@@ -58,9 +62,6 @@ class Service:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # its own group: the service and every child it starts
-            # Only the main thread lives as long as the supervisor: PDEATHSIG fires when the
-            # *thread* that started the child exits.
-            preexec_fn=_DIE_WITH_PARENT if threading.current_thread() is threading.main_thread() else None,
         )
         self.group_ended = False
         fh.close()

@@ -42,3 +42,4 @@ def test_a_resumed_run_tells_rollouts_to_wait_for_its_current_version(tmp_path: 
     assert "start_version=2" in rollout.argv
     (learner,) = [s for s in services if s.name.startswith("learner")]
     assert "RANK" not in learner.env  # one rank: a world of one, no rendezvous
+    assert "MASTER_PORT" in learner.unset  # nor one inherited from the caller's environment

@@ -18,13 +18,22 @@ from teamrl.cli.supervisor import Service, Supervisor
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, prctl")
 
 REAL_PYTHON = sys.executable
-FAKE = """\
-#!/bin/sh
+FAKE = f"""\
+#!{REAL_PYTHON}
 # stands in for `python -m teamrl.cli.main ARGV`: a service that starts one child (its engine)
-[ -n "$FAKE_IGNORE_TERM" ] && trap '' TERM && trap 'echo "stacks asked for" >&2' USR1
-sleep 600 &
-echo $! > "$FAKE_CHILD_PID.tmp" && mv "$FAKE_CHILD_PID.tmp" "$FAKE_CHILD_PID"
-while :; do wait; done
+import os, signal, subprocess, sys, time
+from teamrl.protocol.children import die_with_parent_from_env
+die_with_parent_from_env()  # what teamrl.cli.main does first for a service
+if os.environ.get("FAKE_IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child too, as a shell trap is
+    signal.signal(signal.SIGUSR1, lambda *_: print("stacks asked for", file=sys.stderr, flush=True))
+child = subprocess.Popen(["sleep", "600"])
+path = os.environ["FAKE_CHILD_PID"]
+with open(path + ".tmp", "w") as f:
+    f.write(str(child.pid))
+os.replace(path + ".tmp", path)
+while True:
+    time.sleep(1)
 """
 
 

@@ -28,7 +28,7 @@ def _engine(**kw):
 
     init_distributed("cpu")
     s = AdapterSettings(lr=5e-2, clip_low=0.2, clip_high=0.2)
-    return LearnerEngine(
+    return LearnerEngine.build(
         build(), NAMES, adapter_settings={n: s for n in NAMES}, order="fixed", logprob_tolerance=None, **kw
     )
 
@@ -78,7 +78,7 @@ def _lora(eng) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["turn", "trajectory"])
 def test_second_agents_factor_departs_from_one_after_the_first_update(engine, mode) -> None:
-    engine.happo_factor = mode
+    engine.settings = engine.settings.replace(happo_factor=mode)
     res = engine.train_step(_episodes(engine), step=0, current_version=0)
     assert res.order == NAMES
     assert res.metrics["factor_mean/solver-lora"] == 1.0
@@ -87,11 +87,11 @@ def test_second_agents_factor_departs_from_one_after_the_first_update(engine, mo
 
 
 def test_simultaneous_update_keeps_factor_one(engine) -> None:
-    engine.update_order = "simultaneous"
+    engine.settings = engine.settings.replace(update_order="simultaneous")
     try:
         res = engine.train_step(_episodes(engine), step=1, current_version=0)
     finally:
-        engine.update_order = "sequential"
+        engine.settings = engine.settings.replace(update_order="sequential")
     assert res.metrics["factor_mean/verifier-lora"] == 1.0
 
 
@@ -112,11 +112,11 @@ def test_sample_weights_reach_the_loss(engine) -> None:
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "drmas", "at_grpo", "grpo_trajectory"])
 def test_every_advantage_algorithm_trains(engine, algorithm) -> None:
-    engine.algorithm = algorithm
+    engine.settings = engine.settings.replace(algorithm=algorithm)
     try:
         res = engine.train_step(_episodes(engine), step=5, current_version=0)
     finally:
-        engine.algorithm = "drmas"
+        engine.settings = engine.settings.replace(algorithm="drmas")
     assert np.isfinite(res.metrics["loss/solver-lora"]) and np.isfinite(res.metrics["loss/verifier-lora"])
 
 
@@ -124,10 +124,10 @@ def test_every_advantage_algorithm_trains(engine, algorithm) -> None:
     ("mode", "level", "cap"), [("mask", "token", 5.0), ("clamp", "sequence", 2.0), ("mask", "sequence", 2.0)]
 )
 def test_off_policy_options_train(engine, mode, level, cap) -> None:
-    engine.tis_mode, engine.tis_level, engine.tis_cap = mode, level, cap
+    engine.settings = engine.settings.replace(tis_mode=mode, tis_level=level, tis_cap=cap)
     try:
         res = engine.train_step(_episodes(engine), step=6, current_version=1)
     finally:
-        engine.tis_mode, engine.tis_level, engine.tis_cap = "clamp", "token", 2.0
+        engine.settings = engine.settings.replace(tis_mode="clamp", tis_level="token", tis_cap=2.0)
     assert np.isfinite(res.metrics["loss/verifier-lora"])
     assert res.metrics["is_weight_max/solver-lora"] > 0

@@ -58,7 +58,7 @@ def _engine(model_dir: Path):
 
     init_distributed(DEVICE)
     s = AdapterSettings(lr=1e-3, clip_low=0.2, clip_high=0.2)
-    return LearnerEngine(
+    return LearnerEngine.build(
         model_dir,
         [ADAPTER],
         adapter_settings={ADAPTER: s},

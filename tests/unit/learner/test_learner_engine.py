@@ -31,7 +31,7 @@ def engine():
     init_distributed("cpu")
     s = AdapterSettings(lr=1e-3, clip_low=0.2, clip_high=0.2)
     names = ["solver-lora", "verifier-lora"]
-    return LearnerEngine(build(), names, adapter_settings={n: s for n in names}, logprob_tolerance=0.05)
+    return LearnerEngine.build(build(), names, adapter_settings={n: s for n in names}, logprob_tolerance=0.05)
 
 
 def _trajectories(engine, n_tasks: int = 4, group: int = 4):
@@ -96,7 +96,7 @@ def test_ppo_critic_trains_the_value_head_and_reports_its_metrics(engine, level)
 
     s = AdapterSettings(lr=1e-3, clip_low=0.2, clip_high=0.2)
     names = ["solver-lora", "verifier-lora"]
-    eng = LearnerEngine(
+    eng = LearnerEngine.build(
         build(),
         names,
         adapter_settings={n: s for n in names},

@@ -40,7 +40,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     init_distributed("cpu")
     settings = {a: AdapterSettings(lr=2e-3, clip_low=0.2, clip_high=0.28) for a in ADAPTERS}
-    eng = LearnerEngine(
+    eng = LearnerEngine.build(
         build(),
         ADAPTERS,
         adapter_settings=settings,

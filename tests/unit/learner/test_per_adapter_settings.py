@@ -35,7 +35,7 @@ def _engine():
             lr=LR[HOT], clip_low=0.2, clip_high=0.2, temperature=TEMP[HOT], micro_batch_rows=3
         ),
     }
-    return LearnerEngine(
+    return LearnerEngine.build(
         build(),
         [COLD, HOT],
         adapter_settings=settings,

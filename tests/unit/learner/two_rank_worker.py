@@ -43,7 +43,9 @@ def main() -> int:
     rank, world = init_distributed("cpu")
     assert world == 2, world
     s = AdapterSettings(lr=1e-2, clip_low=0.2, clip_high=0.2)
-    eng = LearnerEngine(build(), ["solver-lora"], adapter_settings={"solver-lora": s}, logprob_tolerance=None)
+    eng = LearnerEngine.build(
+        build(), ["solver-lora"], adapter_settings={"solver-lora": s}, logprob_tolerance=None
+    )
     before = {k: v.clone() for k, v in eng.adapter_state("solver-lora").items()}
     res = eng.train_step(trajectories(rank), 0, 0)
     after = eng.adapter_state("solver-lora")

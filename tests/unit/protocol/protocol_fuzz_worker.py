@@ -59,7 +59,7 @@ def seeds(kind: str, rng: random.Random) -> list[bytes]:
         C.Hello(service="rollout", incarnation="r-1", capabilities=["arrow-v1"]),
         C.Ack(incarnation="r-1", seqs=[1, 2, 3], rejected=[4], reason="schema_mismatch"),
         C.SampleRequest(request_id=5, agent_id="solver", batch_size=8, rank=1),
-        C.SampleReply(request_id=5, trajectories=b"\x01" * 40, count=1, weights=[1.0]),
+        C.SampleReply(request_id=5, nbytes=40, count=1, weights=[1.0]),
         C.BufferStats(size=3, per_agent={"solver": 10}),
         C.Heartbeat(incarnation="r-1", seq=7, time=1.5),
     ]

@@ -73,3 +73,28 @@ def test_garbage_and_size_limit(tmp_path):
 
 def test_probe_adapter_is_first_entry():
     assert probe_adapter({"solver": "solver-lora", "verifier": "verifier-lora"}) == "solver-lora"
+
+
+def test_a_shared_folder_is_hashed_in_place_and_checked_like_foreign_input(tmp_path):
+    from teamrl.protocol.adapters import adapter_dirs, adapters_sha256
+
+    for name in ("solver-lora", "verifier-lora"):
+        d = tmp_path / "v1" / name
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+        (d / "adapter_model.safetensors").write_bytes(name.encode() * 10)
+    dirs = adapter_dirs(tmp_path / "v1")
+    assert list(dirs) == ["solver-lora", "verifier-lora"]
+    digest = adapters_sha256(dirs)
+    assert digest == adapters_sha256(dict(reversed(dirs.items())))  # order-free, like the tar
+    (dirs["solver-lora"] / "adapter_model.safetensors").write_bytes(b"tampered" * 10)
+    assert adapters_sha256(dirs) != digest
+    with pytest.raises(AdapterPayloadError, match="limit"):
+        adapter_dirs(tmp_path / "v1", max_bytes=100)
+    link = dirs["verifier-lora"] / "adapter_model.safetensors"
+    link.unlink()
+    link.symlink_to("/etc/hostname")  # a shared folder is foreign input: no links followed
+    with pytest.raises(AdapterPayloadError, match="not a regular file"):
+        adapter_dirs(tmp_path / "v1")
+    with pytest.raises(AdapterPayloadError, match="does not exist"):
+        adapter_dirs(tmp_path / "nowhere")

@@ -103,3 +103,40 @@ def test_parent_death_signal_reaches_the_child(tmp_path: Path) -> None:
         assert _wait_for(lambda: not _alive(child), 10), "the child outlived its parent"
     finally:
         parent.kill()
+
+
+def test_a_child_asked_through_its_environment_dies_with_its_parent(tmp_path: Path) -> None:
+    # the supervisor's form: no preexec_fn, the child sets PDEATHSIG itself from parent_death_env()
+    pid_file = tmp_path / "child.pid"
+    child_code = (
+        "import os, sys, time; from teamrl.protocol.children import PARENT_ENV, die_with_parent_from_env;"
+        "assert die_with_parent_from_env() and PARENT_ENV not in os.environ;"
+        "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+    )
+    parent_code = (
+        "import os, subprocess, sys, time; from teamrl.protocol.children import parent_death_env;"
+        f"subprocess.Popen([sys.executable, '-c', {child_code!r}, sys.argv[1]], env=os.environ | parent_death_env());"
+        "time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], start_new_session=True)
+    try:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait(10)
+        assert _wait_for(lambda: not _alive(child), 10), "the child outlived its parent"
+    finally:
+        parent.kill()
+    # a request naming a parent that is already gone is acted on at once
+    orphan = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from teamrl.protocol.children import die_with_parent_from_env as d; d(); print('alive')",
+        ],
+        env=os.environ | {"TEAMRL_DIE_WITH_PARENT": "1:15"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert orphan.returncode == -15 and "alive" not in orphan.stdout

@@ -89,7 +89,7 @@ STRATEGIES = {
     C.SampleReply: st.builds(
         C.SampleReply,
         request_id=seq,
-        trajectories=st.binary(max_size=200),
+        nbytes=seq,
         count=seq,
         weights=st.lists(floats, max_size=4),
     ),
@@ -172,3 +172,29 @@ def test_oversize_refused_before_unpacking(monkeypatch):
 def test_pack_refuses_non_messages():
     with pytest.raises(TypeError):
         C.pack_message({"type": "drain"})  # type: ignore[arg-type]
+
+
+def test_a_sample_reply_carries_its_arrow_stream_as_a_frame_of_its_own():
+    data = bytes(range(40))
+    reply = C.SampleReply.carrying(data, request_id=3, count=1, weights=[0.5])
+    header, *frames = C.frames_of(reply)
+    assert data not in header and len(frames) == 1 and frames[0] is data  # not inside msgpack
+    back = C.unpack_message(header, [memoryview(data)])
+    assert isinstance(back, C.SampleReply) and back.nbytes == 40 and bytes(back.trajectories) == data
+    assert C.unpack_message(C.pack_message(C.Drain()), []) == C.Drain()  # no frames declared, none came
+
+
+@pytest.mark.parametrize(
+    ("frames", "match"),
+    [([], "1 attached frame"), ([b"x" * 39], r"\[40\] bytes"), ([b"x" * 40, b"y"], "2 came")],
+)
+def test_attached_frames_must_be_exactly_the_declared_ones(frames, match):
+    header = C.pack_message(C.SampleReply(request_id=1, nbytes=40, count=1))
+    before = rejected_count("decode_error")
+    with pytest.raises(DecodeError, match=match):
+        C.unpack_message(header, frames)
+    assert rejected_count("decode_error") == before + 1
+    with pytest.raises(DecodeError, match="declares 0"):
+        C.unpack_message(C.pack_message(C.Drain()), [b"extra"])
+    with pytest.raises(DecodeError, match="without its Arrow frame"):
+        _ = C.unpack_message(header).trajectories  # the header alone hands out no stream

@@ -16,6 +16,7 @@ from teamrl.protocol.control import (
     ErrorReply,
     Probe,
     ProfilesPublished,
+    SampleReply,
     SampleRequest,
     UriWeights,
     WeightsPublished,
@@ -197,6 +198,30 @@ def test_rpc_round_trip_errors_and_timeout():
     with pytest.raises(PeerTimeout):
         lonely.call(BufferStatsRequest())
     lonely.close()
+
+
+def test_a_sample_reply_crosses_rpc_with_its_arrow_frame_uncopied():
+    from teamrl.protocol.codec import decode_batches, encode_trajectories_buffer
+    from teamrl.protocol.examples import example_trajectories
+
+    trajs = example_trajectories(3, seed=1, tokens=8)
+    frame = encode_trajectories_buffer(trajs)
+    server = RpcServer("tcp://127.0.0.1:0", lambda m: SampleReply.carrying(frame, request_id=9, count=3))
+    stop = threading.Event()
+    t = threading.Thread(target=server.serve_forever, args=(stop, 20))
+    t.start()
+    client = RpcClient(server.endpoint, timeout_ms=3000)
+    try:
+        reply = client.call(SampleRequest(request_id=9, batch_size=3, rank=0))
+        assert isinstance(reply, SampleReply) and reply.nbytes == frame.size
+        assert isinstance(reply.trajectories, memoryview)  # the received frame's memory, not bytes
+        (batch,) = decode_batches(reply.trajectories)
+        assert [t.episode_id for t in batch.trajectories()] == [t.episode_id for t in trajs]
+    finally:
+        stop.set()
+        t.join(5)
+        server.close()
+        client.close()
 
 
 def _weights(version: int) -> WeightsPublished:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from teamrl.protocol.adapters import write_adapter_payload
+from teamrl.protocol.adapters import adapters_sha256, write_adapter_payload
 from teamrl.protocol.codec import decode_trajectories
 from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
 from teamrl.protocol.zmq_transport import WeightsPublisher, ZmqDataReceiver, latest_endpoint_for
@@ -204,6 +204,14 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
             "frames sampled at v1",
         )
         assert metric(mport, "teamrl_rollout_policy_version", '{agent="solver-lora"}') == 1
+        # the shared-folder route: the files' digest checked in place, loaded from there (no copy)
+        shared = UriWeights(uri=str(folders["solver-lora"].parent))
+        publisher.publish(announcement(2, shared, adapters_sha256(folders), expected))
+        wait(
+            lambda: any(s.policy_version == 2 for t in frames[-1] for s in t.steps),
+            120,
+            "frames sampled at v2 (loaded from the shared folder)",
+        )
 
         # LangMARL profile announcements on the same socket: each bad one refused by reason, counted
         from teamrl.protocol.control import ProfilesPublished

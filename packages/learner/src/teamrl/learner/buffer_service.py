@@ -231,11 +231,8 @@ class BufferService:
         self.dirty = True  # evictions and version hints change state even when refused
         if isinstance(out, Refused):
             return ErrorReply(request_id=req.request_id, reason=out.reason, message=out.message)
-        return SampleReply(
-            request_id=req.request_id,
-            trajectories=out.encode().to_pybytes(),
-            count=len(out.rows),
-            weights=out.weights,
+        return SampleReply.carrying(  # the Arrow frame goes out as its own ZeroMQ frame, uncopied
+            out.encode(), request_id=req.request_id, count=len(out.rows), weights=out.weights
         )
 
     def stats(self) -> BufferStats:

@@ -3,9 +3,10 @@
 Design: a pydantic model read from TOML (the ``[learner]`` section, or the
 whole file when it has none); validators only *check* that values agree and raise, they never copy a
 value from one field to another (a silent copy hides which value is in force).
-:meth:`LearnerConfig.engine_kwargs` turns the config into plain keyword arguments for
-:class:`teamrl.learner.engine.LearnerEngine`, which never sees this class, so a test builds an engine
-without a config file.
+:meth:`LearnerConfig.engine_settings` turns the config into the frozen settings of
+:class:`teamrl.learner.engine.LearnerEngine` (:mod:`teamrl.learner.settings`), which never sees this
+class, so a test builds an engine without a config file. A setting keeps its name from here to the
+engine: the settings' fields are named after this config's fields.
 
 Per-agent overrides are keyed by *adapter name*: agents that share an adapter share its parameters,
 so they necessarily share its optimiser settings too (the rollout workflow defines the
@@ -21,7 +22,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from teamrl.learner.settings import AdapterSettings, EngineSettings
 from teamrl.protocol.configfile import ConfigError, load_section
+
+# the engine settings this config holds under other names: the LoRA shape (``lora``, ``agents``)
+_LORA_SETTINGS = ("lora_rank", "lora_ranks", "lora_alpha", "lora_dropout", "target_modules")
 
 
 class LearnerConfigError(ConfigError):
@@ -109,11 +114,12 @@ class LearnerConfig(_Strict):
     reward_source: Literal["step", "trajectory"] = Field(
         "step", description="reward of a row: the agent step's own reward, or the team reward"
     )
-    objective: Literal["decoupled", "ppo", "ppo-critic"] = Field(
+    objective: Literal["decoupled", "ppo", "ppo-behaviour", "ppo-critic"] = Field(
         "decoupled",
         description="decoupled = AReaL decoupled PPO with the behaviour weight π_prox/μ (token TIS); "
-        "ppo = plain PPO-clip against the recomputed π_old (ignores μ); ppo-critic = MARFT PPO with a "
-        "centralised value head and GAE (critic_level)",
+        "ppo = plain PPO-clip against the recomputed π_old (ignores μ); ppo-behaviour = naive PPO-clip "
+        "against the behaviour log-probs μ as π_old (AReaL's baseline: off-policy data unaccounted "
+        "for); ppo-critic = MARFT PPO with a centralised value head and GAE (critic_level)",
     )
     critic_level: Literal["action", "token"] = Field(
         "action", description="ppo-critic: GAE over agent steps (MARFT APPO) or over tokens (TPPO)"
@@ -259,53 +265,26 @@ class LearnerConfig(_Strict):
             )
         return self
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Plain keyword arguments for :class:`teamrl.learner.engine.LearnerEngine` (minus model/device)."""
-        from teamrl.learner.engine import AdapterSettings
-
-        return {
-            "adapters": list(self.adapters),
-            "adapter_settings": {a: AdapterSettings(**self.adapter_settings(a)) for a in self.adapters},
-            "lora_rank": self.lora.rank,
-            "lora_ranks": {
+    def engine_settings(self) -> EngineSettings:
+        """The settings of :class:`teamrl.learner.engine.LearnerEngine`: each adapter's resolved from
+        its override (:meth:`adapter_settings`), the LoRA shape from ``lora`` and the per-adapter ranks,
+        and every other setting from this config's field of the same name."""
+        same_name = {k: getattr(self, k) for k in EngineSettings.names() if k not in _LORA_SETTINGS}
+        return EngineSettings.from_kwargs(
+            {a: AdapterSettings(**self.adapter_settings(a)) for a in self.adapters},
+            lora_rank=self.lora.rank,
+            lora_ranks={
                 a: self.agents[a].rank for a in self.adapters if a in self.agents and self.agents[a].rank
             },
-            "lora_alpha": self.lora.alpha,
-            "lora_dropout": self.lora.dropout,
-            "target_modules": list(self.lora.target_modules),
-            "dtype": self.dtype,
-            "zero_stage": self.zero_stage,
-            "weight_decay": self.weight_decay,
-            "grad_clip": self.grad_clip,
-            "micro_batch_rows": self.micro_batch_rows,
-            "temperature": self.temperature,
-            "algorithm": self.algorithm,
-            "reward_source": self.reward_source,
-            "objective": self.objective,
-            "tis_cap": self.tis_cap,
-            "tis_mode": self.tis_mode,
-            "tis_level": self.tis_level,
-            "singleton_advantage": self.singleton_advantage,
-            "happo_factor": self.happo_factor,
-            "kl_coef": self.kl_coef,
-            "kl_estimator": self.kl_estimator,
-            "loss_agg": self.loss_agg,
-            "logprob_tolerance": self.logprob_tolerance,
-            "update_order": self.update_order,
-            "order": self.order,
-            "epochs": self.epochs,
-            "seed": self.seed,
-            "critic_level": self.critic_level,
-            "gamma": self.gamma,
-            "lam": self.lam,
-            "token_gamma": self.token_gamma,
-            "value_coef": self.value_coef,
-            "critic_lr": self.critic_lr,
-            "value_clip": self.value_clip,
-            "critic_hidden": self.critic_hidden,
-            "action_logprob_norm": self.action_logprob_norm,
-            "whiten_advantages": self.whiten_advantages,
-        }
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=tuple(self.lora.target_modules),
+            **same_name,
+        )
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """:meth:`engine_settings` as flat keywords (those of ``LearnerEngine.build``) and the adapters."""
+        return {"adapters": list(self.adapters), **self.engine_settings().kwargs()}
 
     def adapter_settings(self, adapter: str) -> dict[str, Any]:
         """Resolved per-adapter settings of one adapter (its override, else the learner-wide value)."""

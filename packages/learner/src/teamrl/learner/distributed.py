@@ -28,12 +28,16 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed; returns (rank, world_size).
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK (what ``teamrl run``, ``torchrun``
-    and the ``deepspeed`` launcher set). Without them this is a world of one on a free local port.
-    gloo on CPU, nccl on CUDA.
+    and the ``deepspeed`` launcher set). Without them this is a world of one on a free local port;
+    the variables it sets for that are removed again once the group is up, so that no process this
+    one starts later (a ``teamrl run`` from a notebook or a test) inherits a rendezvous on a port
+    this process holds. gloo on CPU, nccl on CUDA.
     """
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    lent: list[str] = []
     if "WORLD_SIZE" not in os.environ:
+        lent = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     # the GPU index on this host, not the global rank: a one-GPU pod of rank 1 has only cuda:0
@@ -51,6 +55,8 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
+    for key in lent:  # the group is up: nothing reads them again (DeepSpeed checks is_initialized)
+        os.environ.pop(key, None)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -44,7 +44,9 @@ PUBLISH_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8),
 )
 SAMPLE_ERRORS = Counter(
-    "teamrl_learner_sample_refusals", "Sample requests the buffer refused, by reason", ["reason"]
+    "teamrl_learner_sample_refusals",
+    "Sample requests that brought no data, by reason (a buffer refusal, timeout, an unreadable reply)",
+    ["reason"],
 )
 CHECKPOINTS = Counter("teamrl_learner_checkpoints", "Checkpoints completed (DONE marker written)")
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from teamrl.learner.rows import Samples, trajectory_objects
 from teamrl.protocol.control import ProfilesPublished
-from teamrl.protocol.trajectory import GraphTrajectory
 
 log = logging.getLogger("teamrl.learner.profiles")
 
@@ -93,11 +93,16 @@ class ProfileRound:
         v = self.store.latest()
         return v.message() if v is not None else None
 
-    def maybe_run(self, step: int, trajectories: Sequence[GraphTrajectory]) -> ProfilesPublished | None:
-        """After learner step ``step`` (1-based count of steps done): a new version, or None."""
-        if step % self.interval or not trajectories:
+    def maybe_run(self, step: int, sample: Samples) -> ProfilesPublished | None:
+        """After learner step ``step`` (1-based count of steps done): a new version, or None.
+
+        ``sample``: the step's ``TrajectoryBatch`` es (or trajectories); the judge reads text, so the
+        Python trajectories are built here, only on the steps a round runs."""
+        if step % self.interval or not sample:
             return None
         from teamrl.rewards.profiles import improve_profiles
+
+        trajectories = trajectory_objects(sample)
 
         self.rounds += 1
         try:

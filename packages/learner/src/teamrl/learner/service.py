@@ -3,13 +3,15 @@
 ``teamrl learner --buffer tcp://buffer:5556 --publish tcp://0.0.0.0:5557 --run-dir DIR`` runs::
 
     resume         DIR/checkpoints/step-N with a DONE marker -> load it (DeepSpeed state of every
-                   adapter engine, RNG states), continue at step N with version V (never backwards)
+                   adapter engine, RNG states), continue at step N with version V (never backwards;
+                   teamrl.learner.resume)
     every step     SampleRequest (rank, min_policy_version = version - lag) until batch_size
                    trajectories arrived (whole groups; refusals are waited out and counted)
                    -> LearnerEngine.train_step (advantages, objective, agent-by-agent update)
                    -> version + 1 -> export the LoRA adapters (PEFT safetensors) to DIR/adapters/vV
                    -> WeightsPublished (inline chunks or the folder URI, sha256 of the payload, a
                    probe: prompt, completion, and this learner's log-probs of it) on PUB + "latest"
+                   (teamrl.learner.publish)
                    -> a JSON line in DIR/metrics.jsonl, Prometheus metrics
     every k steps  checkpoint (all ranks), then the DONE marker (rank 0); older ones pruned
     SIGTERM        finish the step in progress, checkpoint, exit 0
@@ -27,7 +29,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -36,29 +37,15 @@ from typing import Any
 
 from teamrl.learner import metrics as M
 from teamrl.learner.config import LearnerConfig, LearnerConfigError, load_learner_config
+
+# BF16_EPS and probe_atol are re-exported: tests and benches import them from here
+from teamrl.learner.publish import BF16_EPS, AdapterPublisher, probe_atol  # noqa: F401
+from teamrl.learner.resume import RunCheckpoints
 from teamrl.protocol.config import TransportConfig
 
 log = logging.getLogger("teamrl.learner")
 
-DONE = "DONE"
 SAMPLE_POLL_S = 0.05
-
-# bfloat16's machine epsilon (torch.finfo(torch.bfloat16).eps = 2**-7): 8 significand bits, so a
-# value is stored to within half of it relative to itself.
-BF16_EPS = 2.0**-7
-
-
-def probe_atol(dtype: str) -> float:
-    """Tolerance the receiver's probe log-probs must meet, by the learner's model ``dtype``.
-
-    float32: 1e-3 (the two sides run the same weights through different kernels). bfloat16: 8 eps
-    (0.0625). bf16 keeps 8 significand bits, so a logit of magnitude 2-4 is only known to within
-    2**-6, and the learner (DeepSpeed casts the LoRA weights to bf16) and a receiver computing the same
-    adapter with other kernels (PEFT keeps LoRA weights in float32) differ by a few such steps:
-    measured on an H200 with a Qwen2.5-0.5B-shaped model, up to 0.029 on log-probs near -12
-    (``tests/bench/learner.py``, README). A wrong or stale adapter moves log-probs by more.
-    """
-    return 8 * BF16_EPS if dtype == "bfloat16" else 1e-3
 
 
 def resolve_device(device: str) -> str:
@@ -116,7 +103,6 @@ class LearnerService:
         transport: TransportConfig | None = None,
     ) -> None:
         from teamrl.learner.engine import LearnerEngine, init_distributed
-        from teamrl.protocol.zmq_transport import RpcClient, WeightsPublisher, latest_endpoint_for
 
         self.cfg = cfg
         self.run_dir = run_dir
@@ -132,28 +118,44 @@ class LearnerService:
             (run_dir / "learner_config.json").write_text(
                 json.dumps({**cfg.model_dump(mode="json"), "model": self.model}, indent=1) + "\n"
             )
-        self.engine = LearnerEngine(self.model, device=device, **cfg.engine_kwargs())
-        # CURVE from [transport] (None when off): the learner key to the buffer's RPC socket; the
-        # learner's own pair and the rollout/admin allow-list on its weights PUB and "latest" sockets
-        transport = transport or TransportConfig()
-        self.rpc = RpcClient(buffer, timeout_ms=10_000, curve=transport.client_curve("learner", "buffer_rpc"))
-        self.publisher = (
-            WeightsPublisher(
-                publish, latest_endpoint_for(publish), curve=transport.server_curve("learner_weights")
-            )
-            if self.rank == 0
-            else None
-        )
+        self.engine = LearnerEngine(self.model, cfg.adapters, cfg.engine_settings(), device=device)
+        self._connect(buffer, publish, transport or TransportConfig())
         self.step = 0
         self.version = 0
         self.stop_reason: str | None = None
         self._request_id = 0
+        self._rank0_extras(tensorboard)
+        self.checkpoints = RunCheckpoints(
+            run_dir, self.engine, rank=self.rank, world=self.world, keep=cfg.keep_checkpoints
+        )
+        resumed = self.checkpoints.resume(cfg.adapters[0])  # None: a fresh run
+        if resumed is not None:
+            self.step, self.version = resumed
+
+    def _connect(self, buffer: str, publish: str, transport: TransportConfig) -> None:
+        """The buffer's RPC client, and on rank 0 the weights PUB and "latest" sockets.
+
+        CURVE from [transport] (None when off): the learner key to the buffer's RPC socket; the
+        learner's own pair and the rollout/admin allow-list on its weights PUB and "latest" sockets."""
+        from teamrl.protocol.zmq_transport import RpcClient, WeightsPublisher, latest_endpoint_for
+
+        self.rpc = RpcClient(buffer, timeout_ms=10_000, curve=transport.client_curve("learner", "buffer_rpc"))
+        self.publisher: AdapterPublisher | None = None
+        if self.rank == 0:
+            socket = WeightsPublisher(
+                publish, latest_endpoint_for(publish), curve=transport.server_curve("learner_weights")
+            )
+            self.publisher = AdapterPublisher(socket, self.engine, self.cfg, self.run_dir, self.model)
+
+    def _rank0_extras(self, tensorboard: Path | None) -> None:
+        """Rank 0 only: the LangMARL profile round (``profile_interval``) and TensorBoard files."""
+        cfg = self.cfg
         self.profiles = None
         if cfg.profile_interval and self.rank == 0:
             from teamrl.learner.profile_round import ProfileRound, judge_from_engine
 
             self.profiles = ProfileRound(
-                run_dir / "profiles",
+                self.run_dir / "profiles",
                 judge_from_engine(self.engine, self.model, cfg.profile_max_new_tokens, cfg.seed),
                 cfg.profile_interval,
                 initial=cfg.profiles,
@@ -164,81 +166,32 @@ class LearnerService:
             from teamrl.learner.tensorboard import EventWriter
 
             self.tb = EventWriter(tensorboard)
-        self._resume()
 
-    # --- checkpoints --------------------------------------------------------------------------
-
-    def _checkpoints(self) -> list[Path]:
-        root = self.run_dir / "checkpoints"
-        if not root.is_dir():
-            return []
-        done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / DONE).is_file()]
-        return sorted(done, key=lambda p: int(p.name.split("-")[1]))
-
-    def _resume(self) -> None:
-        ckpts = self._checkpoints()
-        if not ckpts:
-            return
-        last = ckpts[-1]
-        state = json.loads((last / "state.json").read_text())
-        self.engine.load_checkpoint(last)
-        self.step = int(state["step"])
-        self.version = int(state["version"])
-        # Versions published after this checkpoint (before a kill) are never issued again with
-        # other weights: go on from the highest version ever exported.
-        published = [
-            int(p.name[1:])
-            for p in (self.run_dir / "adapters").glob("v*")
-            if p.name[1:].isdigit() and (p / self.cfg.adapters[0]).is_dir()
-        ]
-        skipped = max([self.version, *published]) - self.version
-        self.version += skipped
-        log.info(
-            "resumed from %s: step %d, version %d%s",
-            last,
-            self.step,
-            self.version,
-            f" (skipping {skipped} version(s) published after the checkpoint)" if skipped else "",
-        )
-        M.VERSION.set(self.version)
+    # --- checkpoints (teamrl.learner.resume) ---------------------------------------------------
 
     def checkpoint(self) -> None:
-        import torch.distributed as dist
-
-        folder = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
-        if self.rank == 0 and folder.exists():
-            shutil.rmtree(folder)
-        if self.world > 1:
-            dist.barrier()
-        folder.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(folder)
-        if self.world > 1:
-            dist.barrier()
-        if self.rank == 0:
-            (folder / "state.json").write_text(json.dumps({"step": self.step, "version": self.version}))
-            (folder / DONE).write_text("")  # only now does the checkpoint count
-            M.CHECKPOINTS.inc()
-            for old in self._checkpoints()[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-            log.info("checkpoint %s", folder)
+        self.checkpoints.save(self.step, self.version)
 
     # --- data ---------------------------------------------------------------------------------
 
     def sample(self) -> tuple[list[Any], float]:
         """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, wait s).
 
-        Their sample weights (``SampleReply.weights``, 1 where a reply carries none) are left in
-        ``self.sample_weights`` for the train step."""
-        from teamrl.protocol.codec import decode_trajectories
+        Each reply's Arrow frame is validated once, on arrival, into ``TrajectoryBatch`` es that
+        stay columnar down to the tensors (``rows.build_rows``). Their sample weights
+        (``SampleReply.weights``, 1 where a reply carries none) are left in ``self.sample_weights``
+        for the train step. A reply that fails its checks is counted and asked for again."""
+        from teamrl.protocol.codec import decode_batches
         from teamrl.protocol.control import ErrorReply, SampleReply, SampleRequest
-        from teamrl.protocol.errors import PeerTimeout
+        from teamrl.protocol.errors import PeerTimeout, ProtocolError
 
         lag = self.cfg.min_policy_version_lag
         min_version = self.version - lag if lag >= 0 else -1
         got: list[Any] = []
+        n_got = 0
         self.sample_weights: list[float] = []
         t0 = time.monotonic()
-        while len(got) < self.cfg.batch_size:
+        while n_got < self.cfg.batch_size:
             if self.stop_reason is not None and not got:
                 raise _Stopping
             if time.monotonic() - t0 > self.sample_timeout_s:
@@ -246,86 +199,44 @@ class LearnerService:
             self._request_id += 1
             req = SampleRequest(
                 request_id=self._request_id,
-                batch_size=self.cfg.batch_size - len(got),
+                batch_size=self.cfg.batch_size - n_got,
                 rank=self.rank,
                 min_policy_version=min_version,
             )
             try:
                 reply = self.rpc.call(req)
+                batches = decode_batches(reply.trajectories) if isinstance(reply, SampleReply) else []
             except PeerTimeout:
                 M.SAMPLE_ERRORS.labels("timeout").inc()
                 log.warning(
                     "no reply from the buffer at %s: waiting %.0f s for %d more trajectories",
                     self.rpc.endpoint,
                     time.monotonic() - t0,
-                    self.cfg.batch_size - len(got),
+                    self.cfg.batch_size - n_got,
                 )
                 continue
+            except ProtocolError as e:  # counted by the codec; the buffer keeps the rows' groups
+                M.SAMPLE_ERRORS.labels(e.reason).inc()
+                log.warning("unreadable sample reply from the buffer (%s): %s; asking again", e.reason, e)
+                time.sleep(SAMPLE_POLL_S)
+                continue
             if isinstance(reply, SampleReply):
-                batch = decode_trajectories(reply.trajectories)
-                got.extend(batch)
-                w = reply.weights if len(reply.weights) == len(batch) else [1.0] * len(batch)
+                n = sum(len(b) for b in batches)
+                got.extend(batches)
+                n_got += n
+                w = reply.weights if len(reply.weights) == n else [1.0] * n
                 self.sample_weights.extend(float(x) for x in w)
             elif isinstance(reply, ErrorReply):
                 M.SAMPLE_ERRORS.labels(reply.reason).inc()
                 time.sleep(SAMPLE_POLL_S)
         return got, time.monotonic() - t0
 
-    # --- publishing ---------------------------------------------------------------------------
+    # --- publishing (teamrl.learner.publish) ---------------------------------------------------
 
-    def publish(self, trajectories: list[Any]) -> dict[str, float]:
+    def publish(self) -> dict[str, float]:
         """Export the adapters as version ``self.version`` and announce them (rank 0)."""
-        from teamrl.protocol.adapters import folder_payload, payload_sha256
-        from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
-
         assert self.publisher is not None
-        t0 = time.perf_counter()
-        folder = self.run_dir / "adapters" / f"v{self.version}"
-        self.engine.export_adapters(folder)
-        payload = folder_payload(folder)
-        sha = payload_sha256(payload)
-        probes = {  # every adapter gets its own probe: a rollout verifies each before using the version
-            a: Probe(
-                prompt_ids=list(self.cfg.probe_prompt),
-                completion_ids=list(self.cfg.probe_completion),
-                expected_logprobs=self.engine.completion_logprobs(
-                    a, self.cfg.probe_prompt, self.cfg.probe_completion
-                ),
-                atol=probe_atol(self.engine.dtype),
-            )
-            for a in self.cfg.adapters
-        }
-        if self.cfg.publish_mode == "inline" and len(payload) <= self.cfg.inline_max_bytes:
-            n = self.cfg.chunk_bytes
-            location: Any = InlineWeights(chunks=[payload[i : i + n] for i in range(0, len(payload), n)])
-        else:
-            location = UriWeights(uri=str(folder.resolve()))
-        msg = WeightsPublished(
-            announce_seq=0,
-            version=self.version,
-            adapters={a: a for a in self.cfg.adapters},
-            location=location,
-            sha256=sha,
-            probe=probes[self.cfg.adapters[0]],
-            base_model=self.model,
-            probes=probes,
-            final=self.step >= self.cfg.max_steps,
-        )
-        self.publisher.publish(msg)
-        dt = time.perf_counter() - t0
-        M.PUBLISH_SECONDS.observe(dt)
-        M.VERSION.set(self.version)
-        self._prune_adapters()
-        return {"publish_seconds": dt, "payload_bytes": float(len(payload))}
-
-    def _prune_adapters(self, keep: int = 8) -> None:
-        root = self.run_dir / "adapters"
-        olds = sorted(
-            (p for p in root.iterdir() if p.name.startswith("v") and p.name[1:].isdigit()),
-            key=lambda p: int(p.name[1:]),
-        )
-        for p in olds[:-keep]:
-            shutil.rmtree(p, ignore_errors=True)
+        return self.publisher.publish(self.version, final=self.step >= self.cfg.max_steps)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -343,7 +254,7 @@ class LearnerService:
         metrics_f = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
         t_begin = float(os.environ.get("TEAMRL_RUN_T0", time.time()))
         if self.publisher is not None and self.version > 0:
-            self.publish([])  # a resumed learner re-announces its version: rollouts may have restarted
+            self.publish()  # a resumed learner re-announces its version: rollouts may have restarted
         if self.publisher is not None and self.profiles is not None:
             latest = self.profiles.latest()
             if latest is not None and latest.version > 0:
@@ -373,7 +284,7 @@ class LearnerService:
             if self.step >= self.cfg.max_steps and self.publisher is not None:
                 self.linger()
         finally:
-            if self.step > 0 and not (self.run_dir / "checkpoints" / f"step-{self.step:06d}" / DONE).exists():
+            if self.step > 0 and not self.checkpoints.is_complete(self.step):
                 self.checkpoint()
             if metrics_f is not None:
                 metrics_f.close()
@@ -391,36 +302,77 @@ class LearnerService:
             time.sleep(0.2)
 
     def one_step(self, t_begin: float) -> dict[str, Any]:
+        """Sample, train, maybe run a profile round and publish; the step's metrics row."""
+        from teamrl.learner.rows import StepColumns
+
         t0 = time.perf_counter()
-        trajectories, waited = self.sample()
+        trajectories, waited = self.sample()  # TrajectoryBatch es: columns, no object per step
         M.SAMPLE_WAIT_SECONDS.observe(waited)
-        for t in trajectories:
-            for s in t.steps:
-                M.VERSION_LAG.observe(max(0, self.version - s.policy_version))
-        # the weights held now are exactly version ``self.version`` only right after a publish
-        fresh = self.version if self.step % self.cfg.publish_interval == 0 else None
-        metrics_of_step: dict[str, Any] = {}
-        if self.cfg.train_weights:
-            metrics_of_step = self.engine.train_step(
-                trajectories,
-                self.step,
-                self.version,
-                fresh_version=fresh,
-                weights=getattr(self, "sample_weights", None),
-            ).metrics
+        steps = StepColumns.of(trajectories)
+        self._observe_lags(steps)
+        metrics_of_step = self._train(trajectories)
         self.step += 1
+        profile_row = self._profile_round(trajectories)
         pub: dict[str, float] = {}
-        profile_row: dict[str, float] = {}
-        if self.profiles is not None:
-            new_profiles = self.profiles.maybe_run(self.step, trajectories)
-            if new_profiles is not None and self.publisher is not None:
-                self.publisher.publish_profiles(new_profiles)
-            profile_row["profile_version"] = float(getattr(self.profiles.latest(), "version", 0))
         if self.cfg.train_weights and self.step % self.cfg.publish_interval == 0:
             self.version += 1
             if self.publisher is not None:
-                pub = self.publish(trajectories)
+                pub = self.publish()
         dt = time.perf_counter() - t0
+        self._gauge_step(dt, waited, metrics_of_step)
+        lags = self.version - 1 - steps.policy_version
+        return {
+            "step": self.step - 1,
+            "time": time.time() - t_begin,
+            "version": self.version,
+            "episodes": len(steps.traj_reward),
+            "reward_mean": float(steps.traj_reward.mean()),
+            **{f"reward/{a}": v for a, v in steps.mean_reward_by_agent().items()},
+            "version_lag_mean": float(lags.mean()) if lags.size else 0.0,
+            "version_lag_max": float(lags.max()) if lags.size else 0.0,
+            "sample_wait_seconds": waited,
+            "step_seconds": dt,
+            **pub,
+            **profile_row,
+            **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
+        }
+
+    def _observe_lags(self, steps: Any) -> None:
+        """Each sampled step's version lag (versions behind the current one) into the histogram."""
+        import numpy as np
+
+        lag_values, lag_counts = np.unique(
+            np.maximum(0, self.version - steps.policy_version), return_counts=True
+        )
+        for lag, count in zip(lag_values.tolist(), lag_counts.tolist(), strict=True):
+            for _ in range(count):
+                M.VERSION_LAG.observe(lag)
+
+    def _train(self, trajectories: list[Any]) -> dict[str, Any]:
+        """One train step on the sample (none with ``train_weights`` off); its metrics."""
+        if not self.cfg.train_weights:
+            return {}
+        # the weights held now are exactly version ``self.version`` only right after a publish
+        fresh = self.version if self.step % self.cfg.publish_interval == 0 else None
+        return self.engine.train_step(
+            trajectories,
+            self.step,
+            self.version,
+            fresh_version=fresh,
+            weights=getattr(self, "sample_weights", None),
+        ).metrics
+
+    def _profile_round(self, trajectories: list[Any]) -> dict[str, float]:
+        """A LangMARL profile round when one is due (published on rank 0); the profile version."""
+        if self.profiles is None:
+            return {}
+        new_profiles = self.profiles.maybe_run(self.step, trajectories)
+        if new_profiles is not None and self.publisher is not None:
+            self.publisher.publish_profiles(new_profiles)
+        return {"profile_version": float(getattr(self.profiles.latest(), "version", 0))}
+
+    def _gauge_step(self, dt: float, waited: float, metrics_of_step: dict[str, Any]) -> None:
+        """Prometheus: the step's time, its share spent waiting for data, throughput, per-agent values."""
         M.STEPS.inc()
         M.STEP_SECONDS.observe(dt)
         M.DATA_WAIT_RATIO.set(waited / dt if dt > 0 else 0.0)
@@ -429,34 +381,12 @@ class LearnerService:
             head, _, agent = key.partition("/")
             if agent and head in M.PER_AGENT and math.isfinite(value):
                 M.PER_AGENT[head].labels(agent).set(value)
-        by_agent: dict[str, list[float]] = {}
-        lags = []
-        for t in trajectories:
-            for s in t.steps:
-                by_agent.setdefault(s.agent_id, []).append(float(s.reward))
-                lags.append(self.version - 1 - s.policy_version)
-        return {
-            "step": self.step - 1,
-            "time": time.time() - t_begin,
-            "version": self.version,
-            "episodes": len(trajectories),
-            "reward_mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
-            **{f"reward/{a}": sum(v) / len(v) for a, v in by_agent.items()},
-            "version_lag_mean": sum(lags) / len(lags) if lags else 0.0,
-            "version_lag_max": float(max(lags)) if lags else 0.0,
-            "sample_wait_seconds": waited,
-            "step_seconds": dt,
-            **pub,
-            **profile_row,
-            **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
-        }
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         self.rpc.close()
         if self.publisher is not None:
-            time.sleep(0.2)  # let the last announcement leave
             self.publisher.close()
 
 

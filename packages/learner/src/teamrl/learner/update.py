@@ -212,6 +212,8 @@ def sequential_update(
     mode: Literal["sequential", "simultaneous"] = "sequential",
     factor_clip: tuple[float, float] | None = None,
     n_rows: int | None = None,
+    measure_last: bool = True,
+    old_fn: Callable[[AgentT], Tensor] | None = None,
 ) -> SequentialUpdateResult[AgentT]:
     """Run one agent-by-agent update over a joint batch and maintain the HAPPO correction factor.
 
@@ -233,7 +235,12 @@ def sequential_update(
     With ``mode="simultaneous"`` (independent PPO) steps 1, 4 and 5 are skipped and every agent gets
     factor 1 (``torch.ones(n_rows)``; ``n_rows`` is required there, and checked against the log-probs
     in sequential mode when given); since each agent has its own parameters, the order then does not
-    matter.
+    matter. ``measure_last=False`` skips step 4 for the last agent of the order: no later agent
+    reads its ratio, so only its record's ``log_ratio_mean`` (then NaN) and ``final_log_factor``
+    (then the factor the last agent saw) depend on it, and a caller that reads neither saves one
+    no-grad pass over that agent's rows. ``old_fn(agent)``, when given, replaces step 1: it is read
+    after the agent's epochs and must return π^k_old, the log-probs *before* them, which a caller can
+    record from the first epoch's training forward (detached), saving one no-grad pass per agent.
     """
     if epochs < 1:
         raise AlgorithmError(f"epochs must be >= 1, got {epochs}")
@@ -250,10 +257,13 @@ def sequential_update(
         agent = agents[idx]
         old = None
         if mode == "sequential":
-            old = _checked_logp(agent, logprob_fn(agent), rows)
-            rows = old.shape[0]
+            if old_fn is None:
+                old = _checked_logp(agent, logprob_fn(agent), rows)
+                rows = old.shape[0]
             if log_factor is None:
-                log_factor = torch.zeros_like(old)
+                if rows is None:
+                    raise AlgorithmError("old_fn needs n_rows (the number of joint rows B)")
+                log_factor = torch.zeros(rows)
             factor = correction_factor(log_factor, factor_clip)
             unclipped = correction_factor(log_factor)
             clipped_rows = int((factor != unclipped).sum())
@@ -263,7 +273,9 @@ def sequential_update(
             clipped_rows = 0
         stats = [dict(step_fn(agent, factor)) for _ in range(epochs)]
         log_ratio_mean = math.nan
-        if mode == "sequential":
+        if mode == "sequential" and (measure_last or position < len(order) - 1):
+            if old_fn is not None:
+                old = _checked_logp(agent, old_fn(agent), rows)
             assert old is not None and log_factor is not None
             new = _checked_logp(agent, logprob_fn(agent), rows)
             log_ratio_mean = float((new - old).mean())

@@ -1,15 +1,20 @@
 """LoRA adapter payloads: how adapter folders travel from the learner to rollouts.
 
-Design: a payload is an *uncompressed, deterministic* tar of one or more PEFT adapter folders, each
-stored under its adapter name (``<name>/adapter_config.json``, ``<name>/adapter_model.safetensors``).
-Deterministic (sorted members, zeroed mtimes/uids) so that the same adapter bytes always give the
-same sha256, whether the learner ships them inline over ZeroMQ or leaves them on shared storage:
-``WeightsPublished.sha256`` is ``payload_sha256(folder_payload(folder))`` in both cases. Uncompressed
-on purpose: compression bombs are a known attack on readers, and LoRA weights do not compress.
+A published version is a folder of PEFT adapter folders, one per adapter name
+(``<name>/adapter_config.json``, ``<name>/adapter_model.safetensors``). ``WeightsPublished.sha256``
+is the digest of the bytes as they travel. On shared storage (``UriWeights``, the normal case) that
+is :func:`adapters_sha256` of the files, read straight from disk: the rollout checks it over the
+files at the shared path and loads them from there, with no archive and no copy. Inline over
+ZeroMQ (``InlineWeights``, small adapters) the folders travel as an *uncompressed, deterministic*
+tar (sorted members, zeroed mtimes/uids) and the digest is :func:`payload_sha256` of the tar,
+checked before it is unpacked. Uncompressed on purpose: compression bombs are a known attack on
+readers, and LoRA weights do not compress.
 
-The unpacking side is hostile-input safe: member names are checked (no absolute paths, no ``..``, no
-links or devices), only the two PEFT files are accepted, and the total size is bounded. Anything else
-raises :class:`AdapterPayloadError` (a :class:`ProtocolError` with reason ``bad_adapter``).
+Both readers treat the input as hostile (docs/reliability.md): :func:`adapter_dirs` refuses links,
+unsafe names, missing files and oversize folders; :func:`unpack_adapter_payload` checks member
+names (no absolute paths, no ``..``, no links or devices), accepts only the two PEFT files and
+bounds the total size. Anything else raises :class:`AdapterPayloadError` (a
+:class:`ProtocolError` with reason ``bad_adapter``).
 
 The probe of a ``WeightsPublished`` refers to the adapter of the first entry of its ``adapters`` map
 (:func:`probe_adapter`).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,18 +68,53 @@ def write_adapter_payload(dirs: Mapping[str, Path | str]) -> bytes:
 
 def folder_payload(folder: Path | str) -> bytes:
     """Payload of a published version folder: every subfolder that holds an adapter."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise AdapterPayloadError(f"adapter folder {folder} does not exist")
-    dirs = {p.name: p for p in sorted(folder.iterdir()) if (p / ADAPTER_FILES[0]).is_file()}
-    if not dirs:
-        raise AdapterPayloadError(f"{folder} holds no adapter folder")
-    return write_adapter_payload(dirs)
+    return write_adapter_payload(adapter_dirs(folder))
 
 
 def payload_sha256(data: bytes | memoryview) -> str:
-    """Hex sha256 of a payload (what ``WeightsPublished.sha256`` carries)."""
+    """Hex sha256 of a tar payload's bytes (what an inline ``WeightsPublished.sha256`` carries)."""
     return hashlib.sha256(data).hexdigest()
+
+
+def adapter_dirs(folder: Path | str, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict[str, Path]:
+    """The adapter folders of a published version folder, checked: ``{name: folder}``.
+
+    Every subfolder holding an ``adapter_config.json`` is an adapter; each must hold both PEFT
+    files as regular files (no links: a shared folder is foreign input), under a plain name, and
+    all of them together at most ``max_bytes``."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.is_symlink():
+        raise AdapterPayloadError(f"adapter folder {folder} does not exist")
+    dirs = {p.name: p for p in sorted(folder.iterdir()) if (p / ADAPTER_FILES[0]).exists()}
+    if not dirs:
+        raise AdapterPayloadError(f"{folder} holds no adapter folder")
+    total = 0
+    for name, d in dirs.items():
+        _check_name(name)
+        for fname in ADAPTER_FILES:
+            path = d / fname
+            if d.is_symlink() or path.is_symlink() or not path.is_file():
+                raise AdapterPayloadError(f"adapter {name!r}: {path} is missing or not a regular file")
+            total += path.stat().st_size
+    if total > max_bytes:
+        raise AdapterPayloadError(
+            f"adapters in {folder} hold {total} bytes, more than the limit of {max_bytes}"
+        )
+    return dirs
+
+
+def adapters_sha256(dirs: Mapping[str, Path | str]) -> str:
+    """Hex sha256 of adapter folders' files (what a shared-folder ``WeightsPublished.sha256`` carries): for each
+    adapter name in order, each PEFT file's name, size and bytes, read once from disk."""
+    h = hashlib.sha256()
+    for name in sorted(dirs):
+        for fname in ADAPTER_FILES:
+            path = Path(dirs[name]) / fname
+            with path.open("rb") as f:
+                h.update(f"{name}/{fname}:{os.fstat(f.fileno()).st_size}\n".encode())
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 def unpack_adapter_payload(

@@ -6,10 +6,14 @@ and keep their memory and ports (README, "Architecture"). Two mechanisms, both L
 they do nothing):
 
 * ``set_parent_death_signal(sig)`` (``prctl(PR_SET_PDEATHSIG)``): the calling process gets ``sig``
-  when its parent dies. The supervisor of ``teamrl run`` sets it in each service it starts (SIGTERM:
-  the service drains and exits; ``parent_death_preexec`` is the ``Popen`` form). The kernel sends
-  it when the *thread* that forked the process exits, so it is set only for children started from
-  the main thread.
+  when its parent dies. The supervisor of ``teamrl run`` asks each service it starts for it through
+  the environment (``parent_death_env``: SIGTERM, the service drains and exits), and the service
+  sets it on itself first thing (``die_with_parent_from_env``, called by ``teamrl.cli.main``). Not
+  a ``preexec_fn``: Python code between fork and exec can deadlock the child when the parent has
+  other threads, and ``Popen`` then blocks the parent waiting for the exec (docs/reliability.md
+  R-orphan). The kernel sends the
+  signal when the *thread* that forked the process exits, so it is asked for only by children
+  started from the main thread.
 * ``start_reaper()``: a small watcher process (stdlib only, its own session, so neither Ctrl-C nor a
   ``killpg`` of the service's group reaches it) that records the service's descendants every
   ``POLL_S`` and, once the service is gone, SIGKILLs every recorded one still alive (matched by pid
@@ -26,7 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 POLL_S = 0.5
 PR_SET_PDEATHSIG = 1
@@ -45,27 +48,27 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return False
 
 
-def parent_death_preexec(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process dies.
+PARENT_ENV = "TEAMRL_DIE_WITH_PARENT"  # "<parent pid>:<signal>", read and removed by the child
 
-    libc is resolved here, in the parent, so the child between fork and exec only makes the call (no
-    import, no allocation). None where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
 
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
+def parent_death_env(sig: int = signal.SIGTERM) -> dict[str, str]:
+    """Environment asking a child started by this process to get ``sig`` when this process dies."""
+    return {PARENT_ENV: f"{os.getpid()}:{int(sig)}"}
 
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: act as if it came after
-            os.kill(os.getpid(), sig)
 
-    return preexec
+def die_with_parent_from_env() -> bool:
+    """Honour ``parent_death_env`` in this process (and remove it, so this process's own children do
+    not inherit a request that names another parent); True when set. A parent that died before the
+    call is acted on at once, as if the signal had come after."""
+    spec = os.environ.pop(PARENT_ENV, "")
+    parent, _, sig = spec.partition(":")
+    if not (parent.isdigit() and sig.isdigit()):
+        return False
+    if not set_parent_death_signal(int(sig)):
+        return False
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), int(sig))
+    return True
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

@@ -614,6 +614,22 @@ class TrajectoryBatch:
             out[agent] = out.get(agent, 0) + 1
         return out
 
+    def step_numpy(self, name: str) -> np.ndarray:
+        """A numeric step column (``policy_version``, ``turn``, ``reward``, ...) as a zero-copy numpy
+        view, indexed like ``step_offsets`` (absolute step positions)."""
+        return self._c.numpy(self._c.step[name])
+
+    def step_strings(self, name: str) -> tuple[np.ndarray, list[str]]:
+        """A string step column (``agent_id``, ``adapter``, ...) as (codes [steps] int32, labels):
+        Arrow's dictionary encoding, so a consumer maps a few labels instead of every step's string."""
+        enc = self._c.step[name].dictionary_encode()
+        return enc.indices.to_numpy(zero_copy_only=False), enc.dictionary.to_pylist()
+
+    def tokens(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets [steps + 1] int32, flat values) of a token column (``prompt_ids``,
+        ``response_ids``, ``logprobs``, ``parents``): step ``s`` holds ``values[off[s]:off[s + 1]]``."""
+        return self._c.off[name], self._c.numpy(self._c.values[name])
+
     def trajectories(self) -> list[GraphTrajectory]:
         if self._objects is None:
             self._objects = _from_columns(self._c)

@@ -9,17 +9,22 @@ msgpack (docs/reliability.md R-fuzz), which is why the schema check after unpack
 failure raises ``DecodeError`` (not msgpack), ``SchemaMismatch`` (msgpack, wrong shape) or
 ``FrameTooLarge`` and is counted in ``teamrl_protocol_rejected_frames_total{reason}``.
 
-Each class's comment says who sends it to whom. Bulk data never travels here except where a
-reply *is* bulk (``SampleReply`` carries Arrow IPC bytes; ``InlineWeights`` carries adapter
-chunks), so the byte caps below are sized for those.
+Each class's comment says who sends it to whom. Bulk data does not travel inside msgpack, with one
+exception (``InlineWeights`` carries small adapter chunks, so the byte caps below are sized for
+those). A message whose reply *is* bulk carries it as ZeroMQ frames *after* its msgpack header:
+``SampleReply`` declares ``nbytes`` and its Arrow IPC stream follows as one frame, which the
+receiver validates once, straight from the frame's memory (docs/architecture.md, the data path).
+``frames_of(msg)`` gives what goes on the wire; ``unpack_message(header, attachments)`` checks that
+exactly the declared frames came with the header before it hands the message out.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from teamrl.protocol.errors import DecodeError, FrameTooLarge, ProtocolError, SchemaMismatch
 from teamrl.protocol.metrics import count_rejection
@@ -50,6 +55,17 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    def attachment_sizes(self) -> tuple[int, ...]:
+        """Sizes of the frames that must follow this message's header on the wire (none by default)."""
+        return ()
+
+    def attachments(self) -> tuple[Any, ...]:
+        """The buffers (bytes, memoryview, ``pa.Buffer``) sent after the header, one frame each."""
+        return ()
+
+    def _attach(self, frames: Sequence[Any]) -> None:
+        """Keep the received frames (already checked against ``attachment_sizes``)."""
 
 
 class Hello(_Message):
@@ -217,13 +233,42 @@ class SampleRequest(_Message):
 
 
 class SampleReply(_Message):
-    """Replay buffer -> learner rank (RPC reply): the sampled trajectories as Arrow IPC bytes."""
+    """Replay buffer -> learner rank (RPC reply): the sampled trajectories, an Arrow IPC stream.
+
+    The stream is not in the msgpack header: it follows it as one ZeroMQ frame of ``nbytes`` bytes
+    (``carrying(data)`` on the sender, ``trajectories`` on the receiver: a read-only view of the
+    received frame, no copy). ``decode_batches`` validates it on arrival, once.
+    """
 
     type: Literal["sample_reply"] = "sample_reply"
     request_id: Seq
-    trajectories: bytes  # encode_trajectories(...) output; decode_trajectories validates it again
+    nbytes: NonNeg  # size of the Arrow frame after the header
     count: NonNeg
     weights: list[float] = []  # per-trajectory importance/priority weights, [count] or empty
+    _data: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def carrying(cls, data: Any, **fields: Any) -> SampleReply:
+        """A reply whose Arrow frame is ``data`` (bytes, memoryview or ``pa.Buffer``)."""
+        reply = cls(nbytes=memoryview(data).nbytes, **fields)
+        reply._data = data
+        return reply
+
+    @property
+    def trajectories(self) -> Any:
+        """The Arrow IPC stream (the received frame's memory); raises if the frame never came."""
+        if self._data is None:
+            raise DecodeError("sample reply without its Arrow frame (only its header was unpacked)")
+        return self._data
+
+    def attachment_sizes(self) -> tuple[int, ...]:
+        return (self.nbytes,)
+
+    def attachments(self) -> tuple[Any, ...]:
+        return (self.trajectories,)
+
+    def _attach(self, frames: Sequence[Any]) -> None:
+        self._data = frames[0]
 
 
 class ErrorReply(_Message):
@@ -272,10 +317,15 @@ _ADAPTER: TypeAdapter = TypeAdapter(ControlMessage)
 
 
 def pack_message(msg: _Message) -> bytes:
-    """Serialise one control message to msgpack bytes."""
+    """Serialise one control message's header (every field) to msgpack bytes."""
     if not isinstance(msg, MESSAGE_TYPES):
         raise TypeError(f"{type(msg).__name__} is not a control message")
     return msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+
+
+def frames_of(msg: _Message) -> list[Any]:
+    """What goes on the wire for ``msg``: its msgpack header, then its attached buffers, one frame each."""
+    return [pack_message(msg), *msg.attachments()]
 
 
 class _Budget:
@@ -339,10 +389,31 @@ def _unpack(data: bytes | bytearray | memoryview) -> _Message:
         ) from None
 
 
-def unpack_message(data: bytes | bytearray | memoryview) -> _Message:
-    """Parse foreign msgpack bytes into a typed control message; raises (and counts) ProtocolError."""
+def _check_attachments(msg: _Message, attachments: Sequence[Any]) -> None:
+    want = msg.attachment_sizes()
+    got = tuple(memoryview(a).nbytes for a in attachments)
+    if len(got) != len(want):
+        raise DecodeError(f"{msg.type} declares {len(want)} attached frame(s), {len(got)} came with it")
+    if got != want:
+        raise DecodeError(f"{msg.type} declares attached frames of {list(want)} bytes, got {list(got)}")
+    if want:
+        msg._attach(attachments)
+
+
+def unpack_message(
+    data: bytes | bytearray | memoryview, attachments: Sequence[Any] | None = None
+) -> _Message:
+    """Parse foreign msgpack bytes into a typed control message; raises (and counts) ProtocolError.
+
+    ``attachments``: the frames that came after the header (a transport passes them, even when
+    there are none); they must be exactly the ones the message declares. ``None``: the header alone
+    (a message that declares frames then has none to hand out).
+    """
     try:
-        return _unpack(data)
+        msg = _unpack(data)
+        if attachments is not None:
+            _check_attachments(msg, attachments)
+        return msg
     except ProtocolError as e:
         count_rejection(e.reason)
         raise

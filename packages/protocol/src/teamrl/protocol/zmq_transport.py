@@ -40,6 +40,7 @@ from teamrl.protocol.control import (
     ProfilesPublished,
     WeightsPublished,
     _Message,
+    frames_of,
     pack_message,
     unpack_message,
 )
@@ -657,7 +658,7 @@ class RpcServer:
             if len(body) > self.max_request_bytes:
                 metrics.count_rejection("frame_too_large")
                 raise FrameTooLarge(f"request is {len(body)} bytes, cap is {self.max_request_bytes}")
-            reply = self._handler(unpack_message(body))
+            reply = self._handler(unpack_message(body, ()))
         except ProtocolError as e:
             self.errors += 1
             reply = ErrorReply(request_id=request_id % 2**63, reason=e.reason, message=str(e)[:1000])
@@ -668,7 +669,7 @@ class RpcServer:
             reply = ErrorReply(request_id=request_id % 2**63, reason="handler_error", message=repr(e)[:1000])
         self.served += 1
         try:
-            self._sock.send_multipart([peer, b"", rid, pack_message(reply)], zmq.NOBLOCK)
+            self._sock.send_multipart([peer, b"", rid, *frames_of(reply)], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             metrics.STALE_REPLIES.inc()
         return True
@@ -715,6 +716,10 @@ class RpcClient:
     def call(self, msg: _Message, timeout_ms: int | None = None) -> _Message:
         """Send ``msg`` and return the reply (an ``ErrorReply`` if the server refused it).
 
+        A reply's attached frames (a ``SampleReply``'s Arrow stream) are handed over as views into
+        the received ZeroMQ message, not copied; a reply whose frames disagree with its header
+        raises ``DecodeError`` (counted).
+
         Raises ``PeerTimeout`` when no reply arrives in time; the request may still be served.
         """
         rid = struct.pack("<Q", self._next_id)
@@ -728,11 +733,12 @@ class RpcClient:
             left = int((deadline - time.monotonic()) * 1000)
             if left <= 0 or not self._sock.poll(left):
                 raise PeerTimeout(f"no reply to {msg.type!r} within {timeout_ms or self.timeout_ms} ms")
-            parts = self._sock.recv_multipart()
-            if len(parts) != 3 or parts[0] != b"" or parts[1] != rid:
+            frames = self._sock.recv_multipart(copy=False)
+            if len(frames) < 3 or frames[0].bytes != b"" or frames[1].bytes != rid:
                 metrics.STALE_REPLIES.inc()
                 continue
-            return unpack_message(parts[2])
+            # attached frames (a SampleReply's Arrow stream) stay in ZeroMQ's memory: no copy
+            return unpack_message(frames[2].bytes, [f.buffer for f in frames[3:]])
 
     def close(self) -> None:
         self._sock.close(0)

@@ -4,14 +4,16 @@
 asyncio loop plus one sender thread::
 
     start        vLLM engine (RolloutEngine) up and warm; ask the learner for its latest adapters
-    weights      WeightsPublished (PUB, gaps healed through the "latest" endpoint) -> payload
-                 (inline chunks or the shared folder) -> sha256 check -> safe unpack -> vLLM load as
-                 <adapter>@v<version> -> probe verification; only then do new requests use it.
+    weights      (teamrl.rollout.weights) WeightsPublished (PUB, gaps healed through the "latest"
+                 endpoint) -> payload (inline chunks or the shared folder) -> sha256 check -> safe
+                 unpack -> vLLM load as <adapter>@v<version> -> probe verification; only then do
+                 new requests use it.
                  A refusal (checksum, corrupt, missing, load_failed, probe_failed, stale_version,
                  bad_rank, bad_targets) is logged and counted; generation goes on with the last good one.
     episodes     groups of ``group_size`` episodes of one task, ``groups_in_flight`` groups at once
                  (vLLM batches their requests); tasks from this replica's shard of the data set.
                  A finished group is one Arrow frame handed to the sender thread.
+    replica 0    held-out evaluations and a sample group per version (teamrl.rollout.evaluation)
     sender       the thread that owns the ZeroMQ DEALER (credit window, acks, resend after reconnect)
     SIGTERM      /readyz turns false, no new groups start; groups in flight get ``drain_timeout_s``
                  to finish, the rest are cancelled (a cancelled episode is never published, in part
@@ -29,7 +31,6 @@ import asyncio
 import contextlib
 import http.server
 import itertools
-import json
 import logging
 import os
 import queue
@@ -48,10 +49,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from teamrl.protocol.config import TransportConfig
 from teamrl.protocol.configfile import ConfigError, load_section
 from teamrl.rollout import metrics as M
+from teamrl.rollout.evaluation import Evaluator
+from teamrl.rollout.weights import WeightsApplier
 
 log = logging.getLogger("teamrl.rollout")
-
-LATEST_POLL_S = 5.0  # ask the learner's latest endpoint after this long without an announcement
 
 
 class RolloutConfigError(ConfigError):
@@ -252,6 +253,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class RolloutService:
+    """One rollout service. ``asyncio.run(RolloutService(cfg, ...).main())`` returns the exit code."""
+
     def __init__(
         self,
         cfg: RolloutConfig,
@@ -270,7 +273,6 @@ class RolloutService:
         self.stopping = False
         self.started = False
         self.last_tick = time.monotonic()
-        self.announced_version = 0
         self.groups_done = 0
         self.episodes_done = 0
         self.http: _Http | None = None
@@ -281,11 +283,17 @@ class RolloutService:
             buffer, self.incarnation, cfg.window, self.transport.client_curve("rollout", "buffer_data")
         )
         self.sender.flush_timeout_s = cfg.flush_timeout_s
-        self._evaluated: set[int] = set()
         self.fatal = False  # the engine died: exit non-zero so a supervisor restarts the service
-        self._sampled_versions: set[int] = set()
-        self.profiles_seen = -1  # newest profile version applied or refused
-        # where this replica stands: its shard of the tasks and its sampling seeds
+        self._place_replica()
+        self._build_engine()
+        self.applier = WeightsApplier(
+            self.engine, self.runner, Path(cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
+        )
+        self.evaluator = Evaluator(cfg, self.runner, self.replica)
+
+    def _place_replica(self) -> None:
+        """Where this replica stands: its shard of the tasks and its sampling seeds."""
+        cfg = self.cfg
         ordinal = cfg.replica if cfg.replica >= 0 else _replica_from_env()
         self.replica, self.num_replicas, self.seed_offset = ordinal or 0, cfg.num_replicas, ordinal or 0
         if ordinal is None:
@@ -295,15 +303,13 @@ class RolloutService:
             self.seed_offset = int(self.incarnation.rsplit("-", 1)[-1], 16) % 2**31
             if cfg.num_replicas > 1:
                 log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
-        self.adapter_root = Path(cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
-        self.eval_file = Path(cfg.eval_file) if cfg.eval_file and self.replica == 0 else None
-        self.samples_dir = Path(cfg.samples_dir) if cfg.samples_dir and self.replica == 0 else None
-        if self.samples_dir is not None:
-            self.samples_dir.mkdir(parents=True, exist_ok=True)
-        # the engine (started by ``start``) and the workflow runner on it
+
+    def _build_engine(self) -> None:
+        """The engine (started by ``start``) and the workflow runner on it."""
         from teamrl.rollout.engine import EngineConfig, RolloutEngine
         from teamrl.rollout.runner import WorkflowRunner
 
+        cfg = self.cfg
         self.engine = RolloutEngine(
             EngineConfig(
                 model=cfg.model,  # set by with_model(): the embedded model's folder when the config has none
@@ -321,7 +327,6 @@ class RolloutService:
             tasks=cfg.tasks,
             reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
         )
-        self.held_out = self.runner.held_out_tasks(cfg.eval_tasks)
 
     def not_ready_reason(self) -> str:
         if not self.started:
@@ -332,148 +337,19 @@ class RolloutService:
             return "buffer link not up"
         return ""
 
-    # --- weights ------------------------------------------------------------------------------
-
-    async def apply_weights(self, msg: Any) -> bool:
-        """Fetch, check, unpack, load and verify one announcement; False (counted) if refused."""
-        from teamrl.protocol.adapters import (
-            AdapterPayloadError,
-            folder_payload,
-            payload_sha256,
-            probe_adapter,
-            unpack_adapter_payload,
-        )
-        from teamrl.rollout.engine import AdapterRefused
-
-        self.announced_version = max(self.announced_version, msg.version)
-        try:
-            if msg.version <= self.engine.version and self.engine.adapter_versions():
-                raise AdapterRefused("stale_version", f"v{msg.version} <= v{self.engine.version} in use")
-            if msg.location.kind == "inline":
-                payload = b"".join(msg.location.chunks)
-            else:
-                try:
-                    payload = folder_payload(msg.location.uri)
-                except AdapterPayloadError as e:
-                    raise AdapterRefused("missing", f"v{msg.version}: {e}") from e
-            if payload_sha256(payload) != msg.sha256:
-                raise AdapterRefused(
-                    "checksum", f"v{msg.version}: payload sha256 differs from the announcement"
-                )
-            dest = self.adapter_root / f"v{msg.version}-{uuid.uuid4().hex[:6]}"
-            try:
-                folders = unpack_adapter_payload(payload, dest)
-            except AdapterPayloadError as e:
-                raise AdapterRefused("corrupt", f"v{msg.version}: {e}") from e
-            res = await self.engine.load_version(
-                msg.version,
-                folders,
-                probe_adapter(msg.adapters),
-                msg.probe.prompt_ids,
-                msg.probe.completion_ids,
-                msg.probe.expected_logprobs,
-                msg.probe.atol,
-                more_probes=msg.probes,
-            )
-        except AdapterRefused as e:
-            M.ADAPTER_FAILURES.labels(e.reason).inc()
-            log.warning("adapter v%d refused (%s): %s", msg.version, e.reason, e)
-            self._gauge_versions()
-            return False
-        M.ADAPTER_LOADS.inc()
-        log.info(
-            "adapters v%d live (probe error %.2e, base gap %.3f; %d of %d adapters probed)",
-            msg.version,
-            res["probe_err"],
-            res["base_gap"],
-            res.get("probed", 1),
-            len(folders),
-        )
-        self._gauge_versions()
-        return True
-
-    def _gauge_versions(self) -> None:
-        for name, v in self.engine.adapter_versions().items():
-            M.POLICY_VERSION.labels(name).set(v)
-        M.VERSION_LAG.set(max(0, self.announced_version - self.engine.version))
-
-    def apply_profiles(self, msg: Any) -> bool:
-        """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
-        from teamrl.rewards.profiles import UPDATES_REFUSED, ProfilesRefused, apply_profiles
-        from teamrl.rewards.tokenizer import TokenizerError
-        from teamrl.rollout.workflow import WorkflowError
-
-        self.profiles_seen = max(self.profiles_seen, msg.version)  # a refused version is not retried
-        try:
-            profiles = apply_profiles(self.runner.workflow.profiles(), msg, self.runner.profile_version)
-            self.runner.set_profiles(msg.version, profiles)
-        except ProfilesRefused as e:  # counted by apply_profiles
-            log.warning("profiles v%d refused (%s): %s", msg.version, e.reason, e)
-            return False
-        except (WorkflowError, TokenizerError) as e:
-            reason = "untokenizable" if isinstance(e, TokenizerError) else "unknown_agent"
-            UPDATES_REFUSED.labels(reason=reason).inc()
-            log.warning("profiles v%d refused (%s): %s", msg.version, reason, e)
-            return False
-        log.info("profiles v%d live for %s", msg.version, ", ".join(sorted(msg.profiles)))
-        return True
+    # --- weights (teamrl.rollout.weights) and evaluations (teamrl.rollout.evaluation) ----------
 
     async def weights_loop(self) -> None:
-        from teamrl.protocol.errors import PeerTimeout
-        from teamrl.protocol.zmq_transport import WeightsSubscriber, latest_endpoint_for
-
-        sub = WeightsSubscriber(
+        """Follow the learner's adapter and profile versions; evaluate after each one."""
+        await self.applier.follow(
             self.weights,
-            latest_endpoint_for(self.weights),
-            timeout_ms=1000,
-            curve=self.transport.client_curve("rollout", "learner_weights"),
+            self.transport.client_curve("rollout", "learner_weights"),
+            lambda: self.stopping,
+            self.maybe_evaluate,
         )
-        try:
-            try:
-                first = await asyncio.to_thread(sub.latest, 1000)
-            except PeerTimeout:
-                first = None  # no learner yet: serve the base weights (version 0) until one announces
-            if first is not None:
-                sub._accept(first)
-                await self.apply_weights(first)
-            # The first evaluation waits for this answer: a restarted rollout evaluates the run's
-            # current version (not the base weights it starts with); a fresh run evaluates v0.
-            await self.maybe_evaluate(final=first is not None and first.final)
-            try:
-                profiles = await asyncio.to_thread(sub.latest_profiles, 1000)
-            except PeerTimeout:
-                profiles = None
-            if profiles is not None:
-                self.apply_profiles(profiles)
-            last_heard = time.monotonic()
-            while not self.stopping:
-                msg = await asyncio.to_thread(sub.poll, 200)
-                if msg is None and time.monotonic() - last_heard > LATEST_POLL_S:
-                    # PUB is quiet: a restarted learner's first announcements may have been lost
-                    # while the subscription reconnected; ask its latest endpoint directly
-                    last_heard = time.monotonic()
-                    try:
-                        newest = await asyncio.to_thread(sub.latest, 1000)
-                    except PeerTimeout:
-                        newest = None
-                    if newest is not None and newest.version > self.engine.version:
-                        msg = newest
-                    try:
-                        lp = await asyncio.to_thread(sub.latest_profiles, 1000)
-                    except PeerTimeout:
-                        lp = None
-                    if lp is not None and lp.version > self.profiles_seen:
-                        self.apply_profiles(lp)
-                profiles = sub.take_profiles()
-                if profiles is not None:
-                    last_heard = time.monotonic()
-                    self.apply_profiles(profiles)
-                if msg is not None:
-                    last_heard = time.monotonic()
-                    await self.apply_weights(msg)
-                    await self.maybe_evaluate(final=bool(getattr(msg, "final", False)))
-        finally:
-            sub.close()
+
+    async def maybe_evaluate(self, final: bool = False) -> None:
+        await self.evaluator.maybe_evaluate(self.engine.version, final)
 
     # --- episodes -----------------------------------------------------------------------------
 
@@ -514,13 +390,7 @@ class RolloutService:
         M.EPISODES.labels(self.cfg.workflow).inc(len(trajs))
         self.groups_done += 1
         self.episodes_done += len(trajs)
-        version = min(s.policy_version for t in trajs for s in t.steps)
-        if self.samples_dir is not None and version not in self._sampled_versions:
-            self._sampled_versions.add(version)
-            out = self.samples_dir / f"step-{version:06d}.arrow"
-            tmp = out.with_suffix(".tmp")
-            tmp.write_bytes(encode_trajectories(list(trajs)))
-            os.replace(tmp, out)  # readers (teamrl show) never see half a file
+        self.evaluator.maybe_write_sample(list(trajs))
 
     async def wait_for_version(self) -> None:
         """Generate nothing before ``start_version`` is live (a resumed run's current weights): data
@@ -535,25 +405,6 @@ class RolloutService:
                 )
                 said = waited
             await asyncio.sleep(0.2)
-
-    async def maybe_evaluate(self, final: bool = False) -> None:
-        """Evaluate the live version when it is the first one at or past the next multiple of
-        ``eval_interval`` (versions can be skipped when the learner outpaces loading), or when the
-        learner announced it as the run's last."""
-        if self.eval_file is None or self.cfg.eval_interval == 0:
-            return
-        v, k = self.engine.version, self.cfg.eval_interval
-        last = max(self._evaluated, default=-1)
-        if v in self._evaluated or not (final or v // k > last // k):
-            return
-        self._evaluated.add(v)
-        t0 = time.time()
-        res = await self.runner.evaluate(self.held_out)
-        t_run = float(os.environ.get("TEAMRL_RUN_T0", t0))
-        row = {"version": v, "step": v, "time": t0 - t_run, "eval_seconds": time.time() - t0, **res}
-        with self.eval_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        log.info("held-out at v%d: %s", v, json.dumps(res))
 
     async def produce(self) -> None:
         rng = random.Random(self.cfg.seed * 7919 + self.seed_offset)

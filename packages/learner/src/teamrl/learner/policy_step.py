@@ -1,0 +1,230 @@
+"""One optimiser step of one adapter: its rows in gradient-accumulated micro-batches
+(docs/algorithms.md §3-§7, docs/architecture.md §7).
+
+:class:`StepData` is what one train step's adapter updates share (rows, advantages, cached
+log-probs); :class:`AdapterStep` runs one adapter's step for the ``step_fn`` the engine hands to
+:func:`teamrl.learner.update.sequential_update`.
+
+Design decisions:
+
+* **Statistics stay on the device** as tensors and are read back once at the end: a ``float()`` per
+  statistic and micro-batch was a host/device synchronisation each (tests/bench/learner.py, README).
+  Token counts come from the CPU copy of the mask, which needs no synchronisation.
+* **π_prox** is the adapter before this step's update: the detached log-probs of the first epoch's
+  training forward (with one optimiser step per epoch they are exactly the pre-update ones), so no
+  extra forward pass is spent on it; the sequential update reads them back as its π_old
+  (``sequential_update(old_fn=...)``).
+* **Sample weights** (``RowBatch.row_weights``, the buffer's per-trajectory weights) multiply every
+  row's policy and KL loss (:func:`teamrl.learner.losses.weight_rows`).
+* **Data parallel**: every rank must issue the same collectives, so the number of micro-batches is
+  agreed by the caller (an all-reduce(max)), and a rank with fewer rows runs zero-weight dummy
+  micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from teamrl.learner.logprobs import LogprobPasses
+from teamrl.learner.losses import PolicyLossTerms, agg_loss, weight_rows
+from teamrl.learner.model import AdapterModel
+from teamrl.learner.objectives import behaviour_weight, kl_loss, loss_share, policy_terms
+from teamrl.learner.rows import RowBatch
+from teamrl.learner.settings import AdapterSettings, ObjectiveSettings
+
+__all__ = ["StepData", "AdapterStep", "idle_stats"]
+
+# the statistics of one adapter's step, in the order of its metrics
+_STAT_KEYS = (
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "kl",
+    "ratio_mean",
+    "ratio_max",
+    "is_weight_mean",
+    "is_weight_max",
+)
+
+
+@dataclass
+class StepData:
+    """One train step's rows and what every adapter's update reads.
+
+    rows: each adapter's row indices; n_joint: joint samples of the HAPPO factor. Set by the engine's
+    advantage pass: adv_row [N], one advantage per row (None at token level); adv_tok [N, R], per
+    response token; ref: the KL reference log-probs of each adapter with a KL term. prox: π_prox
+    [rows, R] of each adapter, set by its first pass of the update.
+    """
+
+    batch: RowBatch
+    rows: dict[str, Tensor]
+    n_joint: int
+    adv_row: Tensor | None = None
+    adv_tok: Tensor = field(default_factory=lambda: torch.zeros(0))
+    prox: dict[str, Tensor] = field(default_factory=dict)
+    ref: dict[str, Tensor] = field(default_factory=dict)
+
+
+def idle_stats(lr: float) -> dict[str, float]:
+    """The statistics of an adapter that no rank had rows for (it is not stepped at all)."""
+    return dict.fromkeys(_STAT_KEYS, math.nan) | {"tokens": 0.0, "rejected_tokens": 0.0, "lr": lr}
+
+
+class AdapterStep:
+    """One optimiser step of one adapter over its rows (module docstring): its micro-batches and their
+    running statistics. ``factor`` [n_joint]: the HAPPO factor of each joint sample."""
+
+    def __init__(
+        self,
+        net: AdapterModel,
+        passes: LogprobPasses,
+        data: StepData,
+        adapter: str,
+        s: AdapterSettings,
+        obj: ObjectiveSettings,
+        action_level: bool,
+        factor: Tensor,
+    ) -> None:
+        self.net, self.passes, self.data, self.adapter = net, passes, data, adapter
+        self.s, self.obj, self.action_level = s, obj, action_level
+        self.eng = net.engines[adapter]
+        self.dev = net.device
+        mask_all = data.batch.resp_mask[data.rows[adapter]]
+        self.total_tokens = float(mask_all.sum())
+        self.total_seqs = float((mask_all.sum(-1) > 0).sum())
+        self.use_cached = adapter in data.prox
+        self.factor = factor.to(self.dev)
+        self.new_prox: list[Tensor] = []
+        self.stats = _Stats(self.dev)
+
+    def run(self, n_micro: int) -> dict[str, float]:
+        """The step in ``n_micro`` micro-batches (agreed by every rank); returns its statistics."""
+        eng, data = self.eng, self.data
+        self.net.model.train()
+        chunks = self.passes.chunks(data.rows[self.adapter], self.adapter)
+        offset = 0
+        for j in range(n_micro):
+            eng.set_gradient_accumulation_boundary(j == n_micro - 1)
+            if j >= len(chunks):  # dummy micro-batch: same collectives as the other ranks, zero gradient
+                self.dummy()
+                continue
+            self.micro_batch(chunks[j], offset)
+            offset += len(chunks[j])
+        eng.step()
+        if self.new_prox:
+            data.prox[self.adapter] = torch.cat(self.new_prox).cpu()
+        self.net.trainable(None)
+        return self.stats.read(eng.get_global_grad_norm(), self.s.lr)
+
+    def dummy(self) -> None:
+        """A zero-gradient micro-batch (a rank with fewer rows than another)."""
+        dummy = self.data.batch.input_ids.new_zeros((1, 2), device=self.dev)
+        self.net.model.set_adapter(self.adapter)
+        self.net.trainable(self.adapter)
+        out = self.eng(input_ids=dummy, use_cache=False).logits
+        self.eng.backward(out.sum() * 0.0)
+
+    def micro_batch(self, c: Tensor, offset: int) -> None:
+        """Forward, loss and backward of rows ``c`` (at ``offset`` in the adapter's rows)."""
+        batch, dev, obj, s = self.data.batch, self.dev, self.obj, self.s
+        mask_cpu = batch.resp_mask[c]
+        mask = mask_cpu.to(dev)
+        logp = self.passes.token_logp(batch, c, self.adapter, grad=True)
+        rows = slice(offset, offset + len(c))
+        if self.use_cached:
+            prox = self.data.prox[self.adapter][rows].to(dev)
+        else:
+            prox = logp.detach() * mask
+            self.new_prox.append(prox)
+        assert batch.joint_idx is not None
+        f_row = self.factor[batch.joint_idx[c].to(dev)]
+        behav = batch.behav_logp[c].to(dev)
+        if self.action_level:  # APPO: one advantage per action (docs/algorithms.md §6)
+            assert self.data.adv_row is not None
+            adv = self.data.adv_row[c].to(dev) * f_row
+        else:
+            adv = self.data.adv_tok[c].to(dev) * f_row[:, None]
+        terms = policy_terms(obj, self.action_level, logp, prox, behav, adv, mask, (s.clip_low, s.clip_high))
+        row_w = batch.row_weights[c].to(dev) if batch.row_weights is not None else None
+        if row_w is not None:  # SampleReply.weights: each row's loss times its trajectory's weight
+            terms = weight_rows(terms, row_w)
+        # an action-level loss is a mean over actions; `unit` is what the ratio statistics count
+        unit = mask.any(-1) if self.action_level else mask
+        n_tok = float(mask_cpu.sum())
+        loss = agg_loss(terms.loss, unit, "token-mean" if self.action_level else obj.loss_agg)
+        kl_term = None
+        if s.kl_coef > 0:
+            kl = kl_loss(obj, logp, self.data.ref[self.adapter][rows].to(dev), mask, row_w)
+            loss = loss + s.kl_coef * kl
+            kl_term = kl.detach() * n_tok
+        share = loss_share(obj, self.action_level, mask_cpu, self.total_tokens, self.total_seqs)
+        self.eng.backward(loss * share)
+        w = behaviour_weight(obj, self.action_level, prox, behav, mask)
+        n_unit = float(mask_cpu.any(-1).sum()) if self.action_level else n_tok
+        self.stats.add(loss.detach() * share, kl_term, terms, unit, w, n_tok, n_unit)
+
+
+class _Stats:
+    """Running sums and maxima of one adapter's step on the device, read back once."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.zero = torch.zeros((), dtype=torch.float32, device=dev)
+        # loss, kl·tokens, clipped, rejected, ratio sum, π_prox/μ sum
+        self.acc = torch.zeros(6, dtype=torch.float32, device=dev)
+        self.ratio_max, self.w_max = self.zero, self.zero
+        self.tokens, self.units = 0.0, 0.0
+
+    def add(
+        self,
+        loss: Tensor,
+        kl_term: Tensor | None,
+        terms: PolicyLossTerms,
+        unit: Tensor,
+        behav_w: Tensor,
+        n_tok: float,
+        n_unit: float,
+    ) -> None:
+        zero = self.zero
+        ratio = terms.ratio.detach()
+        self.acc += torch.stack(
+            [
+                loss,
+                kl_term if kl_term is not None else zero,
+                terms.clipped.sum(dtype=torch.float32),
+                terms.rejected.sum(dtype=torch.float32),
+                torch.where(unit, ratio, zero).sum(),
+                torch.where(unit, behav_w, zero).sum(),
+            ]
+        )
+        # maxima over the counted units (ratios and weights are positive: 0 stands for "none")
+        self.ratio_max = torch.maximum(self.ratio_max, torch.where(unit, ratio, zero).max())
+        self.w_max = torch.maximum(self.w_max, torch.where(unit, behav_w, zero).max())
+        self.tokens += n_tok
+        self.units += n_unit
+
+    def read(self, grad_norm: float | None, lr: float) -> dict[str, float]:
+        loss_sum, kl_sum, clipped, rejected, ratio_sum, w_sum, r_max, w_max = torch.cat(
+            [self.acc, torch.stack([self.ratio_max, self.w_max])]
+        ).tolist()  # the one read-back of this step's statistics
+        ntok = max(self.tokens, 1.0)
+        nunit = max(self.units, 1.0)
+        values = [
+            loss_sum,
+            float(grad_norm) if grad_norm is not None else math.nan,
+            clipped / nunit,
+            kl_sum / ntok,
+            ratio_sum / nunit,
+            r_max,
+            w_sum / nunit,
+            w_max,
+        ]
+        return dict(zip(_STAT_KEYS, values, strict=True)) | {
+            "rejected_tokens": rejected,
+            "tokens": self.tokens,
+            "lr": lr,
+        }

@@ -1,0 +1,114 @@
+"""A learner's weights side: export each adapter version, announce it to rollouts, prune old ones.
+
+``AdapterPublisher`` (rank 0 of ``teamrl.learner.service.LearnerService``) exports the LoRA adapters
+(PEFT safetensors) to ``RUN/adapters/vV`` and announces them as ``WeightsPublished`` on the weights
+PUB socket and its "latest" endpoint: inline chunks of a deterministic tar or the folder's URI, the
+sha256 of the bytes as they travel, and one probe per adapter (prompt, completion, this learner's
+log-probs of it, within :func:`probe_atol`) that a rollout reproduces before it uses the version.
+The last 8 version folders are kept. LangMARL profile versions go out on the same sockets.
+docs/architecture.md §8 ("WeightsPublished and the hot-load") describes the message and its checks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from teamrl.learner import metrics as M
+
+# bfloat16's machine epsilon (torch.finfo(torch.bfloat16).eps = 2**-7): 8 significand bits, so a
+# value is stored to within half of it relative to itself.
+BF16_EPS = 2.0**-7
+
+
+def probe_atol(dtype: str) -> float:
+    """Tolerance the receiver's probe log-probs must meet, by the learner's model ``dtype``.
+
+    float32: 1e-3 (the two sides run the same weights through different kernels). bfloat16: 8 eps
+    (0.0625). bf16 keeps 8 significand bits, so a logit of magnitude 2-4 is only known to within
+    2**-6, and the learner (DeepSpeed casts the LoRA weights to bf16) and a receiver computing the same
+    adapter with other kernels (PEFT keeps LoRA weights in float32) differ by a few such steps:
+    measured on an H200 with a Qwen2.5-0.5B-shaped model, up to 0.029 on log-probs near -12
+    (``tests/bench/learner.py``, README). A wrong or stale adapter moves log-probs by more.
+    """
+    return 8 * BF16_EPS if dtype == "bfloat16" else 1e-3
+
+
+class AdapterPublisher:
+    """Exports and announces adapter versions (and profile versions) on a ``WeightsPublisher``."""
+
+    def __init__(self, socket: Any, engine: Any, cfg: Any, run_dir: Path, model: str) -> None:
+        self.socket = socket  # teamrl.protocol.zmq_transport.WeightsPublisher: PUB + "latest"
+        self.engine = engine  # LearnerEngine: exports the adapters and computes the probes
+        self.cfg = cfg  # LearnerConfig: adapters, probe tokens, publish mode and sizes
+        self.run_dir = run_dir
+        self.model = model
+
+    def publish(self, version: int, *, final: bool) -> dict[str, float]:
+        """Export the adapters as ``version`` and announce them; the step's publish metrics."""
+        from teamrl.protocol.adapters import ADAPTER_FILES
+
+        t0 = time.perf_counter()
+        folder = self.run_dir / "adapters" / f"v{version}"
+        dirs = self.engine.export_adapters(folder)
+        size = sum((d / f).stat().st_size for d in dirs.values() for f in ADAPTER_FILES)
+        self.socket.publish(self._message(version, final, folder, dirs, size))
+        dt = time.perf_counter() - t0
+        M.PUBLISH_SECONDS.observe(dt)
+        M.VERSION.set(version)
+        self._prune_adapters()
+        return {"publish_seconds": dt, "payload_bytes": float(size)}
+
+    def _message(self, version: int, final: bool, folder: Path, dirs: dict[str, Path], size: int) -> Any:
+        """The ``WeightsPublished`` of the exported ``dirs``: where they are, their digest, probes."""
+        from teamrl.protocol.adapters import adapters_sha256, payload_sha256, write_adapter_payload
+        from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
+
+        cfg = self.cfg
+        probes = {  # every adapter gets its own probe: a rollout verifies each before using the version
+            a: Probe(
+                prompt_ids=list(cfg.probe_prompt),
+                completion_ids=list(cfg.probe_completion),
+                expected_logprobs=self.engine.completion_logprobs(a, cfg.probe_prompt, cfg.probe_completion),
+                atol=probe_atol(self.engine.dtype),
+            )
+            for a in cfg.adapters
+        }
+        # the digest of the bytes as they travel: the tar when inline, the files themselves when shared
+        if cfg.publish_mode == "inline" and size <= cfg.inline_max_bytes:
+            payload, n = write_adapter_payload(dirs), cfg.chunk_bytes
+            location: Any = InlineWeights(chunks=[payload[i : i + n] for i in range(0, len(payload), n)])
+            sha = payload_sha256(payload)
+        else:  # no archive: rollouts check and load the files in place
+            location = UriWeights(uri=str(folder.resolve()))
+            sha = adapters_sha256(dirs)
+        return WeightsPublished(
+            announce_seq=0,
+            version=version,
+            adapters={a: a for a in cfg.adapters},
+            location=location,
+            sha256=sha,
+            probe=probes[cfg.adapters[0]],
+            base_model=self.model,
+            probes=probes,
+            final=final,
+        )
+
+    def _prune_adapters(self, keep: int = 8) -> None:
+        root = self.run_dir / "adapters"
+        olds = sorted(
+            (p for p in root.iterdir() if p.name.startswith("v") and p.name[1:].isdigit()),
+            key=lambda p: int(p.name[1:]),
+        )
+        for p in olds[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def publish_profiles(self, msg: Any) -> None:
+        """Announce a LangMARL profile version (served on the latest endpoint too)."""
+        self.socket.publish_profiles(msg)
+
+    def close(self) -> None:
+        time.sleep(0.2)  # let the last announcement leave
+        self.socket.close()

@@ -1,0 +1,66 @@
+"""What replica 0 of the rollout services writes besides trajectories: held-out evaluations and
+sample groups.
+
+``Evaluator`` (owned by ``teamrl.rollout.service.RolloutService``) evaluates the live adapter
+version on held-out tasks every ``eval_interval`` versions and on the run's last one, appending a
+JSON line to ``eval_file``, and writes one finished group per new version to ``samples_dir`` (what
+``teamrl show`` reads). Other replicas write neither. docs/architecture.md §3 ("Rollout services")
+describes the service around it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("teamrl.rollout")
+
+
+class Evaluator:
+    """Held-out evaluations and sample groups of one rollout service (replica 0 only)."""
+
+    def __init__(self, cfg: Any, runner: Any, replica: int) -> None:
+        self.runner = runner  # WorkflowRunner: held-out tasks and their evaluation
+        self.eval_interval = cfg.eval_interval
+        self.eval_file = Path(cfg.eval_file) if cfg.eval_file and replica == 0 else None
+        self.samples_dir = Path(cfg.samples_dir) if cfg.samples_dir and replica == 0 else None
+        if self.samples_dir is not None:
+            self.samples_dir.mkdir(parents=True, exist_ok=True)
+        self.held_out = runner.held_out_tasks(cfg.eval_tasks)
+        self._evaluated: set[int] = set()
+        self._sampled_versions: set[int] = set()
+
+    async def maybe_evaluate(self, v: int, final: bool = False) -> None:
+        """Evaluate version ``v`` (the live one) when it is the first one at or past the next
+        multiple of ``eval_interval`` (versions can be skipped when the learner outpaces loading),
+        or when the learner announced it as the run's last."""
+        if self.eval_file is None or self.eval_interval == 0:
+            return
+        k = self.eval_interval
+        last = max(self._evaluated, default=-1)
+        if v in self._evaluated or not (final or v // k > last // k):
+            return
+        self._evaluated.add(v)
+        t0 = time.time()
+        res = await self.runner.evaluate(self.held_out)
+        t_run = float(os.environ.get("TEAMRL_RUN_T0", t0))
+        row = {"version": v, "step": v, "time": t0 - t_run, "eval_seconds": time.time() - t0, **res}
+        with self.eval_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log.info("held-out at v%d: %s", v, json.dumps(res))
+
+    def maybe_write_sample(self, trajs: list[Any]) -> None:
+        """Write a finished group as the sample of its version, when that version has none yet."""
+        from teamrl.protocol.codec import encode_trajectories
+
+        version = min(s.policy_version for t in trajs for s in t.steps)
+        if self.samples_dir is not None and version not in self._sampled_versions:
+            self._sampled_versions.add(version)
+            out = self.samples_dir / f"step-{version:06d}.arrow"
+            tmp = out.with_suffix(".tmp")
+            tmp.write_bytes(encode_trajectories(list(trajs)))
+            os.replace(tmp, out)  # readers (teamrl show) never see half a file

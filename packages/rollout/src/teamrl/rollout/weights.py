@@ -1,0 +1,206 @@
+"""A rollout's side of the weights link: follow the learner's announcements and adopt them.
+
+``WeightsApplier`` (owned by ``teamrl.rollout.service.RolloutService``) subscribes to the learner's
+weights PUB, heals gaps through its "latest" endpoint, and applies each announcement: fetch the
+payload (inline chunks or the shared folder), check its sha256, unpack safely, load it into vLLM as
+``<adapter>@v<version>`` and reproduce every probe; only then do new requests use it. A refusal
+(checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank, bad_targets) is
+logged and counted, and generation goes on with the last good version. LangMARL profile versions
+travel on the same sockets and are adopted here too. docs/architecture.md §8 ("WeightsPublished
+and the hot-load") describes the checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from teamrl.rollout import metrics as M
+
+log = logging.getLogger("teamrl.rollout")
+
+LATEST_POLL_S = 5.0  # ask the learner's latest endpoint after this long without an announcement
+
+
+class WeightsApplier:
+    """Adapter versions and profile versions from the learner, checked, loaded and gauged."""
+
+    def __init__(self, engine: Any, runner: Any, adapter_root: Path) -> None:
+        self.engine = engine  # RolloutEngine: loads and probes adapter versions
+        self.runner = runner  # WorkflowRunner: takes profile versions
+        self.adapter_root = adapter_root  # inline payloads are unpacked under here
+        self.announced_version = 0  # newest version announced, applied or not
+        self.profiles_seen = -1  # newest profile version applied or refused
+
+    async def follow(
+        self,
+        endpoint: str,
+        curve: Any,
+        stopping: Callable[[], bool],
+        on_version: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        """Apply the learner's latest versions, then every announcement, until ``stopping()``.
+
+        ``on_version(final)`` runs after the first answer (whether or not the learner had one) and
+        after each announcement applied or refused: the service evaluates there."""
+        from teamrl.protocol.errors import PeerTimeout
+        from teamrl.protocol.zmq_transport import WeightsSubscriber, latest_endpoint_for
+
+        sub = WeightsSubscriber(endpoint, latest_endpoint_for(endpoint), timeout_ms=1000, curve=curve)
+        try:
+            try:
+                first = await asyncio.to_thread(sub.latest, 1000)
+            except PeerTimeout:
+                first = None  # no learner yet: serve the base weights (version 0) until one announces
+            if first is not None:
+                sub._accept(first)
+                await self.apply_weights(first)
+            # The first evaluation waits for this answer: a restarted rollout evaluates the run's
+            # current version (not the base weights it starts with); a fresh run evaluates v0.
+            await on_version(first is not None and first.final)
+            profiles = await self._latest_profiles(sub)
+            if profiles is not None:
+                self.apply_profiles(profiles)
+            last_heard = time.monotonic()
+            while not stopping():
+                msg = await asyncio.to_thread(sub.poll, 200)
+                if msg is None and time.monotonic() - last_heard > LATEST_POLL_S:
+                    last_heard = time.monotonic()
+                    msg = await self._ask_latest(sub)
+                profiles = sub.take_profiles()
+                if profiles is not None:
+                    last_heard = time.monotonic()
+                    self.apply_profiles(profiles)
+                if msg is not None:
+                    last_heard = time.monotonic()
+                    await self.apply_weights(msg)
+                    await on_version(bool(getattr(msg, "final", False)))
+        finally:
+            sub.close()
+
+    async def _ask_latest(self, sub: Any) -> Any:
+        """PUB is quiet: a restarted learner's first announcements may have been lost while the
+        subscription reconnected; ask its latest endpoint directly. Newer profiles are applied
+        here; a newer adapter version is returned for the caller to apply (None if none)."""
+        from teamrl.protocol.errors import PeerTimeout
+
+        try:
+            newest = await asyncio.to_thread(sub.latest, 1000)
+        except PeerTimeout:
+            newest = None
+        lp = await self._latest_profiles(sub)
+        if lp is not None and lp.version > self.profiles_seen:
+            self.apply_profiles(lp)
+        return newest if newest is not None and newest.version > self.engine.version else None
+
+    @staticmethod
+    async def _latest_profiles(sub: Any) -> Any:
+        from teamrl.protocol.errors import PeerTimeout
+
+        try:
+            return await asyncio.to_thread(sub.latest_profiles, 1000)
+        except PeerTimeout:
+            return None
+
+    async def apply_weights(self, msg: Any) -> bool:
+        """Fetch, check, unpack, load and verify one announcement; False (counted) if refused."""
+        from teamrl.protocol.adapters import probe_adapter
+        from teamrl.rollout.engine import AdapterRefused
+
+        self.announced_version = max(self.announced_version, msg.version)
+        try:
+            if msg.version <= self.engine.version and self.engine.adapter_versions():
+                raise AdapterRefused("stale_version", f"v{msg.version} <= v{self.engine.version} in use")
+            # hashing (and, inline, unpacking) reads every adapter byte: off the event loop
+            folders = await asyncio.to_thread(self._checked_folders, msg)
+            res = await self.engine.load_version(
+                msg.version,
+                folders,
+                probe_adapter(msg.adapters),
+                msg.probe.prompt_ids,
+                msg.probe.completion_ids,
+                msg.probe.expected_logprobs,
+                msg.probe.atol,
+                more_probes=msg.probes,
+            )
+        except AdapterRefused as e:
+            M.ADAPTER_FAILURES.labels(e.reason).inc()
+            log.warning("adapter v%d refused (%s): %s", msg.version, e.reason, e)
+            self.gauge_versions()
+            return False
+        M.ADAPTER_LOADS.inc()
+        log.info(
+            "adapters v%d live (probe error %.2e, base gap %.3f; %d of %d adapters probed)",
+            msg.version,
+            res["probe_err"],
+            res["base_gap"],
+            res.get("probed", 1),
+            len(folders),
+        )
+        self.gauge_versions()
+        return True
+
+    def _checked_folders(self, msg: Any) -> Any:
+        """The announcement's adapter folders, their sha256 checked; raises ``AdapterRefused``."""
+        from teamrl.protocol.adapters import (
+            AdapterPayloadError,
+            adapter_dirs,
+            adapters_sha256,
+            payload_sha256,
+            unpack_adapter_payload,
+        )
+        from teamrl.rollout.engine import AdapterRefused
+
+        if msg.location.kind == "inline":  # the digest is of the tar: checked before unpacking
+            payload = b"".join(msg.location.chunks)
+            if payload_sha256(payload) != msg.sha256:
+                raise AdapterRefused(
+                    "checksum", f"v{msg.version}: payload sha256 differs from the announcement"
+                )
+            dest = self.adapter_root / f"v{msg.version}-{uuid.uuid4().hex[:6]}"
+            try:
+                return unpack_adapter_payload(payload, dest)
+            except AdapterPayloadError as e:
+                raise AdapterRefused("corrupt", f"v{msg.version}: {e}") from e
+        # the files' digest, checked in the shared folder, which vLLM then loads from: no copy
+        try:
+            folders = adapter_dirs(msg.location.uri)
+            digest = adapters_sha256(folders)
+        except (AdapterPayloadError, OSError) as e:  # absent, unsafe, or pruned meanwhile
+            raise AdapterRefused("missing", f"v{msg.version}: {e}") from e
+        if digest != msg.sha256:
+            raise AdapterRefused(
+                "checksum", f"v{msg.version}: the adapter files' sha256 differs from the announcement"
+            )
+        return folders
+
+    def gauge_versions(self) -> None:
+        for name, v in self.engine.adapter_versions().items():
+            M.POLICY_VERSION.labels(name).set(v)
+        M.VERSION_LAG.set(max(0, self.announced_version - self.engine.version))
+
+    def apply_profiles(self, msg: Any) -> bool:
+        """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
+        from teamrl.rewards.profiles import UPDATES_REFUSED, ProfilesRefused, apply_profiles
+        from teamrl.rewards.tokenizer import TokenizerError
+        from teamrl.rollout.workflow import WorkflowError
+
+        self.profiles_seen = max(self.profiles_seen, msg.version)  # a refused version is not retried
+        try:
+            profiles = apply_profiles(self.runner.workflow.profiles(), msg, self.runner.profile_version)
+            self.runner.set_profiles(msg.version, profiles)
+        except ProfilesRefused as e:  # counted by apply_profiles
+            log.warning("profiles v%d refused (%s): %s", msg.version, e.reason, e)
+            return False
+        except (WorkflowError, TokenizerError) as e:
+            reason = "untokenizable" if isinstance(e, TokenizerError) else "unknown_agent"
+            UPDATES_REFUSED.labels(reason=reason).inc()
+            log.warning("profiles v%d refused (%s): %s", msg.version, reason, e)
+            return False
+        log.info("profiles v%d live for %s", msg.version, ", ".join(sorted(msg.profiles)))
+        return True
