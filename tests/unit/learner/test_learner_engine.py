@@ -102,7 +102,7 @@ def test_ppo_critic_trains_the_value_head_and_reports_its_metrics(engine, level)
         adapter_settings={n: s for n in names},
         objective="ppo-critic",
         critic_level=level,
-        critic_lr=1e-2,
+        critic_lr=2e-3,  # 1e-2 overshot on some builds of the model (0.39 -> 0.14 -> 0.82 -> 0.23)
         gamma=1.0,
         kl_coef=0.01,
     )

@@ -98,7 +98,15 @@ def test_data_ingest_admits_only_rollouts(transport: TransportConfig) -> None:
         assert (
             _wait_count("buffer_data", "unknown_key", before["unknown_key"] + 1) >= before["unknown_key"] + 2
         )
-        assert _wait_count("buffer_data", "plaintext", before["plaintext"]) >= before["plaintext"] + 1
+        # A loaded machine can miss the monitor event of one refused handshake (seen in CI): a fresh
+        # plaintext peer knocks again until one refusal is counted, as the RPC test below does.
+        deadline = time.monotonic() + 30
+        while _count("buffer_data", "plaintext") < before["plaintext"] + 1 and time.monotonic() < deadline:
+            knock = ZmqDataSender(recv.endpoint, "plaintext-again", ack_timeout_s=30)
+            knock.send(b"poison")
+            _wait_count("buffer_data", "plaintext", before["plaintext"], timeout_s=2.0)
+            knock.close()
+        assert _count("buffer_data", "plaintext") >= before["plaintext"] + 1
     finally:
         for s in (*intruders, rollout):
             s.close()

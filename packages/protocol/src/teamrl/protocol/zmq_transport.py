@@ -887,7 +887,10 @@ class WeightsSubscriber:
         reply = self._rpc.call(LatestWeightsRequest(have_version=self._last_version), timeout_ms)
         return reply if isinstance(reply, WeightsPublished) else None
 
-    def _accept(self, msg: WeightsPublished) -> WeightsPublished | None:
+    def accept(self, msg: WeightsPublished) -> WeightsPublished | None:
+        """Record ``msg`` as the newest announcement seen and return it; None when it is older than
+        one already seen (a stale or replayed announcement). ``poll`` calls it for each announcement;
+        a caller that asked ``latest`` itself calls it so the next ``poll`` counts gaps from there."""
         if self._last_seq is not None and msg.announce_seq <= self._last_seq:
             return None
         self._last_seq = msg.announce_seq
@@ -920,7 +923,7 @@ class WeightsSubscriber:
             newest = self.latest()
             if newest is not None and newest.announce_seq >= msg.announce_seq:
                 msg = newest
-        return self._accept(msg)
+        return self.accept(msg)
 
     def close(self) -> None:
         self._rpc.close()

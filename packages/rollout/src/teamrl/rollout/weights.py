@@ -58,7 +58,7 @@ class WeightsApplier:
             except PeerTimeout:
                 first = None  # no learner yet: serve the base weights (version 0) until one announces
             if first is not None:
-                sub._accept(first)
+                sub.accept(first)
                 await self.apply_weights(first)
             # The first evaluation waits for this answer: a restarted rollout evaluates the run's
             # current version (not the base weights it starts with); a fresh run evaluates v0.
