@@ -37,81 +37,114 @@ def _mean(xs: list[float]) -> float:
 
 
 async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
-    from teamrl.learner.config import LearnerConfig
-    from teamrl.learner.engine import LearnerEngine, init_distributed
-    from teamrl.protocol import decode_trajectories, encode_trajectories
-    from teamrl.protocol.adapters import adapters_sha256
-    from teamrl.protocol.children import start_reaper
-    from teamrl.protocol.control import Probe
-    from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
-    from teamrl.rollout.engine import AdapterRefused, EngineConfig, RolloutEngine
-    from teamrl.rollout.runner import WorkflowRunner
+    """The sync loop above, for ``plan`` (``teamrl.cli.plan``): set up, train ``args.steps`` steps, finish."""
+    return await SyncRun(args, plan).run()
 
-    start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t_begin = time.time()
-    (run_dir / "config.toml").write_text(config_toml(plan.config))
-    (run_dir / "config.json").write_text(json.dumps({**vars(args), "model": plan.model}, indent=1))
-    rcfg, lcfg = plan.config["rollout"], LearnerConfig.model_validate(plan.config["learner"])
-    rng = random.Random(args.seed)
-    print(f"[teamrl] run folder {run_dir}; model {plan.model}", flush=True)
 
-    init_distributed("cpu")
-    learner = LearnerEngine(plan.model, lcfg.adapters, lcfg.engine_settings(), device="cpu")
-    probe_adapter = lcfg.adapters[0]
-    receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
-    incarnation = uuid.uuid4().hex[:12]
-    sender = ZmqDataSender(receiver.endpoint, incarnation)
+class SyncRun:
+    """One synchronous run: the learner engine, the vLLM engine and the workflow runner in this process,
+    joined by an acked ZeroMQ pair on loopback. Each method is one phase of the loop."""
 
-    eng = RolloutEngine(
-        EngineConfig(
-            model=plan.model,
-            seed=args.seed,
-            max_lora_rank=rcfg["max_lora_rank"],
-            lora_target_modules=tuple(rcfg["lora_target_modules"]),
+    def __init__(self, args: argparse.Namespace, plan: RunPlan) -> None:
+        from teamrl.learner.config import LearnerConfig
+        from teamrl.learner.engine import LearnerEngine, init_distributed
+        from teamrl.protocol.children import start_reaper
+        from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
+        from teamrl.rollout.engine import EngineConfig, RolloutEngine
+        from teamrl.rollout.runner import WorkflowRunner
+
+        start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
+        self.args, self.plan = args, plan
+        self.run_dir = Path(args.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.t_begin = time.time()
+        (self.run_dir / "config.toml").write_text(config_toml(plan.config))
+        (self.run_dir / "config.json").write_text(json.dumps({**vars(args), "model": plan.model}, indent=1))
+        rcfg, self.lcfg = plan.config["rollout"], LearnerConfig.model_validate(plan.config["learner"])
+        self.rng = random.Random(args.seed)
+        print(f"[teamrl] run folder {self.run_dir}; model {plan.model}", flush=True)
+
+        init_distributed("cpu")
+        self.learner = LearnerEngine(
+            plan.model, self.lcfg.adapters, self.lcfg.engine_settings(), device="cpu"
         )
-    )
-    scale = rcfg["reward_scale"]
-    runner = WorkflowRunner(
-        rcfg["workflow"],
-        eng,
-        incarnation,
-        tasks=rcfg["tasks"],
-        reward_kwargs={"role_scale": scale} if scale else None,
-    )
-    train, held_out = runner.train, runner.held_out_tasks(args.eval_tasks)
-    await eng.start()
-    print(f"[teamrl] vLLM engine up after {time.time() - t_begin:.0f} s", flush=True)
+        self.receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
+        incarnation = uuid.uuid4().hex[:12]
+        self.sender = ZmqDataSender(self.receiver.endpoint, incarnation)
+        self.eng = RolloutEngine(
+            EngineConfig(
+                model=plan.model,
+                seed=args.seed,
+                max_lora_rank=rcfg["max_lora_rank"],
+                lora_target_modules=tuple(rcfg["lora_target_modules"]),
+            )
+        )
+        scale = rcfg["reward_scale"]
+        self.runner = WorkflowRunner(
+            rcfg["workflow"],
+            self.eng,
+            incarnation,
+            tasks=rcfg["tasks"],
+            reward_kwargs={"role_scale": scale} if scale else None,
+        )
+        self.train, self.held_out = self.runner.train, self.runner.held_out_tasks(args.eval_tasks)
+        # version -> (adapter folders, probes, sha256): kept while a lagged load may still need it
+        self.exported: dict[int, tuple[dict[str, Path], dict[str, Any], str]] = {}
+        self.lag = int(getattr(args, "policy_lag", 0))
+        self.version = 0
+        self.metrics_f = (self.run_dir / "metrics.jsonl").open("a")
+        self.eval_f = (self.run_dir / "eval.jsonl").open("a")
 
-    exported: dict[int, tuple[dict[str, Path], dict[str, Any], str]] = {}
-    lag = int(getattr(args, "policy_lag", 0))
+    async def run(self) -> int:
+        await self.eng.start()
+        print(f"[teamrl] vLLM engine up after {time.time() - self.t_begin:.0f} s", flush=True)
+        self.export(0)
+        await self.publish(0)
+        first = last = await self.evaluate(0, 0)
+        args = self.args
+        for step in range(args.steps):
+            await self.step(step)
+            if self.lag and step + 1 == args.steps:  # the final evaluation is of the trained adapters
+                await self.publish(self.version)
+            if args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
+                last = await self.evaluate(
+                    step + 1, self.version if step + 1 == args.steps else self.eng.version
+                )
+        await self.finish()
+        print(f"[teamrl] done in {time.time() - self.t_begin:.0f} s: {summary(first, last)}", flush=True)
+        return 0
 
-    def export(version: int) -> None:
+    def export(self, version: int) -> None:
         """Export the learner's adapters as ``version`` with their probes (kept for a lagged load)."""
-        folder = run_dir / "adapters" / f"v{version}"
-        folders = learner.export_adapters(folder)
+        from teamrl.protocol.adapters import adapters_sha256
+        from teamrl.protocol.control import Probe
+
+        lcfg = self.lcfg
+        folders = self.learner.export_adapters(self.run_dir / "adapters" / f"v{version}")
         probes = {
             a: Probe(
                 prompt_ids=lcfg.probe_prompt,
                 completion_ids=lcfg.probe_completion,
-                expected_logprobs=learner.completion_logprobs(a, lcfg.probe_prompt, lcfg.probe_completion),
+                expected_logprobs=self.learner.completion_logprobs(
+                    a, lcfg.probe_prompt, lcfg.probe_completion
+                ),
                 atol=1e-3,
             )
             for a in lcfg.adapters
         }
-        exported[version] = (folders, probes, adapters_sha256(folders))
-        for old in [v for v in exported if v < version - lag]:
-            del exported[old]
+        self.exported[version] = (folders, probes, adapters_sha256(folders))
+        for old in [v for v in self.exported if v < version - self.lag]:
+            del self.exported[old]
 
-    async def publish(version: int) -> dict[str, Any]:
+    async def publish(self, version: int) -> dict[str, Any]:
         """Load ``version`` (exported earlier) into vLLM; it must reproduce its probes first."""
-        folders, probes, sha = exported[version]
-        main = probes[probe_adapter]
-        res = await eng.load_version(
+        folders, probes, sha = self.exported[version]
+        main_adapter = self.lcfg.adapters[0]
+        main = probes[main_adapter]
+        res = await self.eng.load_version(
             version,
             folders,
-            probe_adapter,
+            main_adapter,
             main.prompt_ids,
             main.completion_ids,
             main.expected_logprobs,
@@ -120,46 +153,50 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
         )
         return {**res, "sha256": sha[:12]}
 
-    metrics_f = (run_dir / "metrics.jsonl").open("a")
-    eval_f = (run_dir / "eval.jsonl").open("a")
-
-    async def evaluate(step: int, version: int) -> dict[str, float]:
-        ev = await runner.evaluate(held_out)
-        eval_f.write(
-            json.dumps({"step": step, "time": time.time() - t_begin, "version": version, **ev}) + "\n"
-        )
-        eval_f.flush()
+    async def evaluate(self, step: int, version: int) -> dict[str, float]:
+        ev = await self.runner.evaluate(self.held_out)
+        row = {"step": step, "time": time.time() - self.t_begin, "version": version, **ev}
+        self.eval_f.write(json.dumps(row) + "\n")
+        self.eval_f.flush()
         print(f"[teamrl] step {step} held-out: {json.dumps(ev)}", flush=True)
         return {**ev, "version": version}
 
-    version = 0
-    export(version)
-    await publish(version)
-    first = last = await evaluate(0, 0)
-    for step in range(args.steps):
+    async def generate(self, step: int) -> tuple[list[Any], float]:
+        """One batch of groups from vLLM, carried as Arrow over ZeroMQ and decoded on the learner side."""
+        from teamrl.protocol import decode_trajectories, encode_trajectories
+
         t0 = time.time()
-        batch = rng.sample(train, min(args.tasks_per_step, len(train)))
+        args, rng = self.args, self.rng
+        batch = rng.sample(self.train, min(args.tasks_per_step, len(self.train)))
         jobs = [(t, rng.randrange(2**31)) for t in batch for _ in range(args.group_size)]
-        trajs = list(
-            await asyncio.gather(*[runner.episode(t, s, group_id=f"{step}-{t['id']}") for t, s in jobs])
+        trajs = await asyncio.gather(
+            *[self.runner.episode(t, s, group_id=f"{step}-{t['id']}") for t, s in jobs]
         )
         t_gen = time.time() - t0
-        sender.send(encode_trajectories(trajs), timeout_s=60.0)  # Arrow over ZeroMQ, acked once decoded
+        self.sender.send(encode_trajectories(list(trajs)), timeout_s=60.0)  # acked once decoded
         got: list[Any] = []
         while not got:
-            sender.flush(0.0)
-            frame = receiver.recv(1000)
+            self.sender.flush(0.0)
+            frame = self.receiver.recv(1000)
             if frame is not None:
                 got = decode_trajectories(frame.payload)
-                receiver.ack(frame)
-        sender.flush(2.0)
-        res = learner.train_step(got, step, version, fresh_version=version)
-        version += 1
-        export(version)
+                self.receiver.ack(frame)
+        self.sender.flush(2.0)
+        return got, t_gen
+
+    async def step(self, step: int) -> None:
+        """Generate, train, export and load the next version (``--policy-lag k``: the one k back)."""
+        from teamrl.rollout.engine import AdapterRefused
+
+        t0 = time.time()
+        got, t_gen = await self.generate(step)
+        res = self.learner.train_step(got, step, self.version, fresh_version=self.version)
+        self.version += 1
+        self.export(self.version)
         try:  # with --policy-lag k the rollouts get version - k: the next batch is k versions stale
-            pub = await publish(version - lag) if version - lag > 0 else {}
+            pub = await self.publish(self.version - self.lag) if self.version - self.lag > 0 else {}
         except AdapterRefused as e:
-            print(f"[teamrl] v{version} refused ({e.reason}): {e}", file=sys.stderr, flush=True)
+            print(f"[teamrl] v{self.version} refused ({e.reason}): {e}", file=sys.stderr, flush=True)
             pub = {"probe_err": float("nan")}
         per_agent: dict[str, list[float]] = {}
         for t in got:
@@ -167,8 +204,8 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
                 per_agent.setdefault(st.agent_id, []).append(float(st.reward))
         row = {
             "step": step,
-            "time": time.time() - t_begin,
-            "version": version,
+            "time": time.time() - self.t_begin,
+            "version": self.version,
             "reward_mean": _mean([float(t.reward) for t in got]),
             **{f"reward/{a}": _mean(xs) for a, xs in per_agent.items()},
             "episodes": len(got),
@@ -177,32 +214,28 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
             "probe_err": pub.get("probe_err"),
             **{k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
         }
-        metrics_f.write(json.dumps(row) + "\n")
-        metrics_f.flush()
+        self.metrics_f.write(json.dumps(row) + "\n")
+        self.metrics_f.flush()
         rewards = " ".join(f"{a} {_mean(xs):.3f}" for a, xs in per_agent.items())
         print(
-            f"[teamrl] step {step + 1}/{args.steps} v{version} reward {rewards} "
+            f"[teamrl] step {step + 1}/{self.args.steps} v{self.version} reward {rewards} "
             f"({time.time() - t0:.1f} s, gen {t_gen:.1f} s)",
             flush=True,
         )
-        if lag and step + 1 == args.steps:  # the final evaluation is of the trained adapters
-            await publish(version)
-        if args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-            last = await evaluate(step + 1, version if step + 1 == args.steps else eng.version)
-    sender.close()
-    receiver.close()
-    await eng.close()
-    metrics_f.close()
-    eval_f.close()
-    try:
-        from teamrl.cli.plots import plot_run
 
-        for p in plot_run(run_dir):
-            print(f"[teamrl] plot {p}")
-    except ImportError as e:
-        print(f"[teamrl] no plots ({e})")
-    print(f"[teamrl] done in {time.time() - t_begin:.0f} s: {summary(first, last)}", flush=True)
-    return 0
+    async def finish(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+        await self.eng.close()
+        self.metrics_f.close()
+        self.eval_f.close()
+        try:
+            from teamrl.cli.plots import plot_run
+
+            for p in plot_run(self.run_dir):
+                print(f"[teamrl] plot {p}")
+        except ImportError as e:
+            print(f"[teamrl] no plots ({e})")
 
 
 def summary(first: dict[str, Any], last: dict[str, Any]) -> str:
