@@ -17,6 +17,10 @@ whether the model can learn to tell right from wrong answers at all, by supervis
    * ``compare-adjacent``: the same comparison with the two numbers' digits interleaved pairwise
      (``V005528?``), so each pair to compare sits side by side.
    Wrong answers are the build's near misses (off by 1, 10 or up to 30), half the verifier examples.
+3. **From scratch** (``--init scratch``): the same learnability runs on a randomly initialised model of
+   the built model's shape (``--layers``, ``--kv-heads`` change it), warmed up over 50 steps; only the
+   ``compare`` formats mean anything there (the base cannot add), e.g.
+   ``--init scratch --formats compare,compare-adjacent --steps 3000 --lr 3e-3``.
 
 Prints figures, asserts none (README, "Verifier learning", quotes a run of it). About 2 minutes per
 1,000 steps per format on one core.
@@ -44,15 +48,23 @@ def _near_miss(rng: random.Random, s: int) -> tuple[int, bool]:
 
 
 class Probe:
-    def __init__(self, model_dir: str, seed: int) -> None:
+    def __init__(self, model_dir: str, seed: int, scratch: dict[str, int] | None = None) -> None:
         import torch
-        from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+        from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
         from teamrl.rewards import addition
 
         self.torch, self.A = torch, addition
         self.tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
-        self.base = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+        self.warmup = 50 if scratch is not None else 0
+        if scratch is None:
+            self.base = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+        else:  # the built model's shape, random weights (seeded)
+            cfg = AutoConfig.from_pretrained(model_dir)
+            cfg.num_hidden_layers = scratch.get("layers") or cfg.num_hidden_layers
+            cfg.num_key_value_heads = scratch.get("kv_heads") or cfg.num_key_value_heads
+            torch.manual_seed(seed)
+            self.base = Qwen2ForCausalLM(cfg).eval()
         self.train, self.held = addition.split_tasks(0)
         self.one = self.tok.convert_tokens_to_ids("1")
         self.zero = self.tok.convert_tokens_to_ids("0")
@@ -111,6 +123,8 @@ class Probe:
         torch = self.torch
         model = copy.deepcopy(self.base).train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        warm = self.warmup
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         rng = random.Random(seed)
         t0 = time.time()
         window: list[float] = []
@@ -121,6 +135,7 @@ class Probe:
             opt.zero_grad()
             out.loss.backward()
             opt.step()
+            sched.step()
             window.append(self._verdict_loss(out.logits.detach(), ids, batch))
             if step % every == 0 or step == steps:
                 print(
@@ -129,6 +144,17 @@ class Probe:
                     flush=True,
                 )
                 window = []
+        if fmt.startswith("compare"):  # 400 held-out comparisons (their own seed): greedy verdict accuracy
+            model.eval()
+            erng = random.Random(99)
+            tests = [self.example(fmt, erng) for _ in range(400)]
+            with torch.no_grad():
+                ids = torch.tensor([self.tok.encode(p) for p, _ in tests])
+                said = model(input_ids=ids).logits[:, -1].argmax(-1).tolist()
+            acc = sum(
+                s == self.tok.convert_tokens_to_ids(r[0]) for s, (_, r) in zip(said, tests, strict=True)
+            )
+            print(f"  {fmt}: held-out comparison accuracy {acc / len(tests):.3f}", flush=True)
         if fmt in ("plain", "recompute"):
             model.eval()
             n = 5 if fmt == "recompute" else 2
@@ -160,6 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="plain,recompute,compare,compare-adjacent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--init",
+        choices=["built", "scratch"],
+        default="built",
+        help="start from the built model or random weights",
+    )
+    p.add_argument(
+        "--layers", type=int, default=0, help="with --init scratch: layers (default: the built model's)"
+    )
+    p.add_argument(
+        "--kv-heads", type=int, default=0, help="with --init scratch: KV heads (default: the built model's)"
+    )
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     unknown = set(formats) - {"plain", "recompute", "compare", "compare-adjacent"}
@@ -171,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     from teamrl.learner.modelbuild import build
 
     torch.set_num_threads(args.threads)
-    probe = Probe(args.model or str(build()), args.seed)
+    scratch = {"layers": args.layers, "kv_heads": args.kv_heads} if args.init == "scratch" else None
+    probe = Probe(args.model or str(build()), args.seed, scratch)
     sig = probe.base_signal()
     print(
         f"base verifier on the base solver's own held-out answers (T=1): {sig['right_share']:.2f} right, "

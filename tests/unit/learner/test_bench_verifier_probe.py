@@ -31,6 +31,13 @@ def test_verifier_probe_runs_every_format() -> None:
     assert "plain: held-out verdict balanced accuracy" in out
 
 
+def test_verifier_probe_trains_from_scratch() -> None:
+    args = ["--init", "scratch", "--layers", "1", "--formats", "compare", "--steps", "2", "--every", "2"]
+    proc = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "  compare step 2: verdict loss" in proc.stdout
+
+
 def test_verifier_probe_refuses_an_unknown_format() -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--formats", "plain,riddle"], capture_output=True, text=True, timeout=60
