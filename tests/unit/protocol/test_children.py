@@ -83,6 +83,20 @@ def test_sigkilled_service_leaves_no_children(tmp_path: Path) -> None:
                 pass
 
 
+def _kill_parent_and_expect_the_child_gone(parent_code: str, pid_file: Path) -> None:
+    """Run ``parent_code`` (it starts a child that writes its pid to ``pid_file``), SIGKILL the parent
+    once the child is up, and expect the child to be gone within 10 s."""
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], start_new_session=True)
+    try:
+        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait(10)
+        assert _wait_for(lambda: not _alive(child), 10), "the child outlived its parent"
+    finally:
+        parent.kill()
+
+
 def test_parent_death_signal_reaches_the_child(tmp_path: Path) -> None:
     # parent -> child (sets PDEATHSIG SIGTERM, then sleeps); SIGKILL the parent: the child is gone
     pid_file = tmp_path / "child.pid"
@@ -94,15 +108,7 @@ def test_parent_death_signal_reaches_the_child(tmp_path: Path) -> None:
         f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child_code!r}, sys.argv[1]]);"
         "time.sleep(600)"
     )
-    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], start_new_session=True)
-    try:
-        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60)
-        child = int(pid_file.read_text())
-        parent.kill()
-        parent.wait(10)
-        assert _wait_for(lambda: not _alive(child), 10), "the child outlived its parent"
-    finally:
-        parent.kill()
+    _kill_parent_and_expect_the_child_gone(parent_code, pid_file)
 
 
 def test_a_child_asked_through_its_environment_dies_with_its_parent(tmp_path: Path) -> None:
@@ -118,15 +124,7 @@ def test_a_child_asked_through_its_environment_dies_with_its_parent(tmp_path: Pa
         f"subprocess.Popen([sys.executable, '-c', {child_code!r}, sys.argv[1]], env=os.environ | parent_death_env());"
         "time.sleep(600)"
     )
-    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(pid_file)], start_new_session=True)
-    try:
-        assert _wait_for(lambda: pid_file.exists() and pid_file.read_text(), 60)
-        child = int(pid_file.read_text())
-        parent.kill()
-        parent.wait(10)
-        assert _wait_for(lambda: not _alive(child), 10), "the child outlived its parent"
-    finally:
-        parent.kill()
+    _kill_parent_and_expect_the_child_gone(parent_code, pid_file)
     # a request naming a parent that is already gone is acted on at once
     orphan = subprocess.run(
         [
