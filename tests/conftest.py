@@ -6,7 +6,8 @@ through a service it starts, depends on this fixture (usually ``pytestmark =
 pytest.mark.usefixtures("embedded_model")``), so the suite passes from an empty cache in any test order
 and no test relies on a cache left by an earlier run. The build takes a file lock: two pytest runs (or a
 test and a ``teamrl`` command) on the same cache never write the same half-built folder.
-``embedded_text_model``: the same for the embedded-text model (README, "The embedded-text model").
+``embedded_text_model``: the same for the embedded-text model (README, "The embedded-text model");
+``embedded_llama_model``: for the Llama-architecture build (README, "Teams of different models").
 """
 
 from __future__ import annotations
@@ -55,3 +56,11 @@ def embedded_text_model() -> Path:
     from teamrl.models.text import build_text, default_text_model_dir
 
     return _locked_build(default_text_model_dir(), lambda out: build_text(out, measure_n=0))
+
+
+@pytest.fixture(scope="session")
+def embedded_llama_model() -> Path:
+    """The embedded model's recipe on the Llama architecture (``teamrl model build --kind llama``)."""
+    from teamrl.learner.modelbuild import build_llama, default_llama_model_dir
+
+    return _locked_build(default_llama_model_dir(), build_llama)

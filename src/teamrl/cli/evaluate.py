@@ -59,6 +59,7 @@ async def _run(args: argparse.Namespace) -> dict:
     try:
         model = str(resolve_model(args.model, workflow_model_path(args.workflow)))
         team = plan_team(args.workflow, model, tasks_path=args.tasks)
+        team.base  # noqa: B018  (teamrl eval serves one base model: a team of several is refused here)
     except (PlanError, WorkflowError) as e:
         raise SystemExit(f"teamrl eval: {e}") from None
     eng = RolloutEngine(

@@ -18,6 +18,10 @@ def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
         from teamrl.models import text as mb
 
         default_dir, build_fn = mb.default_text_model_dir, mb.build_text
+    elif kind == "llama":
+        from teamrl.learner import modelbuild as mb
+
+        default_dir, build_fn = mb.default_llama_model_dir, mb.build_llama
     else:
         from teamrl.learner import modelbuild as mb
 
@@ -105,20 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sp.add_argument(
                 "--kind",
-                choices=["char", "text"],
+                choices=["char", "text", "llama"],
                 default="char",
-                help="char: the embedded addition model (embedded-v1); text: embedded-text-v2, a small "
-                "BPE-tokenizer model for the text workflows (math-duo, math-trio, code-reflect, search-qa)",
+                help="char: the embedded addition model (embedded-v1, Qwen2); llama: the same recipe on "
+                "the Llama architecture (embedded-llama-v1, a second base for teams of different "
+                "models); text: embedded-text-v2, a small BPE-tokenizer model for the text workflows "
+                "(math-duo, math-trio, code-reflect, search-qa)",
             )
             sp.add_argument(
                 "--out",
-                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1, or embedded-text-v2 for --kind text)",
+                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1; embedded-llama-v1 or "
+                "embedded-text-v2 for --kind llama or text)",
             )
             sp.add_argument(
                 "--steps",
                 type=int,
                 default=None,
-                help="supervised warm-start steps (default: 600 for char, the text build's own default for text)",
+                help="supervised warm-start steps (default: 600 for char and llama, the text build's own "
+                "default for text)",
             )
             sp.add_argument("--seed", type=int, default=0)
             sp.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")

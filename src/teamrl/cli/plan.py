@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,8 @@ from typing import Any
 
 from teamrl.protocol.configfile import ConfigError, apply_overrides
 
-EMBEDDED = ("embedded", "embedded-text")
-SECTIONS = ("buffer", "learner", "rollout")
+EMBEDDED = ("embedded", "embedded-text", "embedded-llama")
+SECTIONS = ("buffer", "learner", "rollout", "groups")
 
 
 class PlanError(ValueError):
@@ -32,12 +33,29 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class RunPlan:
     team: Any  # teamrl.rollout.team.TeamPlan
-    model: str
-    config: dict[str, dict[str, Any]]  # [buffer], [learner], [rollout]
+    model: str  # the model folder; a team of different models: a JSON object {model id: folder}
+    config: dict[str, dict[str, Any]]  # [buffer], [learner], [rollout]; [groups] for several bases
 
     @property
     def workflow(self) -> Any:
         return self.team.workflow
+
+    @property
+    def groups(self) -> list[str]:
+        """The learner groups: one per base model of trained agents; [""] for a one-base team."""
+        return list(self.config.get("groups", {})) or [""]
+
+    def learner_table(self, group: str = "") -> dict[str, Any]:
+        """The [learner] table of ``group`` (its [groups.<id>] entries over the shared [learner])."""
+        return learner_table(self.config, group)
+
+
+def learner_table(cfg: dict[str, Any], group: str = "") -> dict[str, Any]:
+    """``[learner]`` with ``[groups.<group>]`` merged over it (a learner group's own table)."""
+    out = copy.deepcopy(cfg["learner"])
+    if group:
+        _merge(out, copy.deepcopy(cfg.get("groups", {})[group]))
+    return out
 
 
 def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = True) -> Path:
@@ -50,6 +68,10 @@ def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = Tr
             from teamrl.learner import modelbuild as mb
 
             make, where = mb.build, mb.default_model_dir
+        elif spec == "embedded-llama":
+            from teamrl.learner import modelbuild as mb
+
+            make, where = mb.build_llama, mb.default_llama_model_dir
         else:
             from teamrl.models import text as mb
 
@@ -57,7 +79,7 @@ def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = Tr
         if build:
             return Path(make())
         if not (where() / "config.json").is_file():
-            kind = "" if spec == "embedded" else " --kind text"
+            kind = {"embedded": "", "embedded-text": " --kind text"}.get(spec, " --kind llama")
             raise PlanError(f"--model {spec}: not built yet at {where()} (teamrl model build{kind})")
         return where()
     path = Path(spec).expanduser()
@@ -78,37 +100,95 @@ def workflow_model_path(source: str) -> str:
     return wf.models[trained[0].model].path
 
 
+def resolve_models(
+    specs: str | list[str] | None, source: str, *, build: bool = True
+) -> Path | dict[str, Path]:
+    """The model folder(s) of a run: ``--model SPEC`` (one folder for every model the workflow
+    uses) and/or ``--model ID=SPEC`` per model id (a team of different models). A workflow whose
+    agents use one model gets one folder; one whose agents use several gets ``{id: folder}``, each
+    from its ``ID=SPEC``, else the plain ``SPEC``, else the workflow's ``models.<id>.path``, else
+    ``embedded``. SPEC is a folder or an embedded model name (:func:`resolve_model`)."""
+    from teamrl.rollout.team import load_source
+
+    wf, _ = load_source(source)
+    items = [specs] if isinstance(specs, str) else list(specs or [])
+    per: dict[str, str] = {}
+    plain: list[str] = []
+    for item in items:
+        mid, sep, spec = item.partition("=")
+        if sep and mid in wf.models:
+            per[mid] = spec
+        elif sep and not Path(item).exists():
+            raise PlanError(
+                f"--model {item}: {mid!r} is not a model of workflow {wf.name!r} ({sorted(wf.models)})"
+            )
+        else:
+            plain.append(item)
+    if len(plain) > 1:
+        raise PlanError(f"--model given {len(plain)} times without ID= ({plain}); give ID=DIR for each model")
+    default = plain[0] if plain else None
+    used = list(dict.fromkeys(a.model for a in wf.agents))
+    if len(used) == 1 and not per:
+        return resolve_model(default, workflow_model_path(source), build=build)
+    return {m: resolve_model(per.get(m, default), wf.models[m].path, build=build) for m in used}
+
+
 def plan(args: argparse.Namespace, *, build: bool = True) -> RunPlan:
     """Check everything and resolve the services' tables; raises :class:`PlanError`."""
     from teamrl.rollout.team import plan_team
     from teamrl.rollout.workflow import WorkflowError
 
     try:
-        model = resolve_model(args.model, workflow_model_path(args.workflow), build=build)
+        model = resolve_models(args.model, args.workflow, build=build)
         team = plan_team(args.workflow, model, tasks_path=args.tasks or None)
         _check_reward_scale(team.workflow, args)
     except WorkflowError as e:
         hint = ""
-        if "cannot encode" in str(e) and (args.model or "embedded") == "embedded":
+        if "cannot encode" in str(e) and (args.model or "embedded") in ("embedded", ["embedded"]):
             hint = (
                 "\n  (the embedded character model reads only the addition workflows: try "
                 "--model embedded-text, or --model with a Hugging Face folder)"
             )
         raise PlanError(f"{e}{hint}") from None
-    cfg = resolved_config(args, team, str(model))
+    shown = str(model) if isinstance(model, Path) else json.dumps({k: str(v) for k, v in model.items()})
+    cfg = resolved_config(args, team, shown)
     cfg = _apply_user_config(cfg, args.config, args.set)
     lrn = cfg["learner"]
     if lrn.get("profile_interval") and not lrn.get("profiles"):  # LangMARL rounds start from these
         lrn["profiles"] = team.workflow.profiles()
     validate(cfg)
-    return RunPlan(team, str(model), cfg)
+    out = RunPlan(team, shown, cfg)
+    try:
+        learner_ranks(getattr(args, "learners", None), out.groups)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return out
+
+
+def learner_ranks(value: Any, groups: list[str]) -> dict[str, int]:
+    """``--learners``: ``N`` ranks for every group, and/or ``ID=N`` for one group (a 2-rank group
+    next to a 1-rank one); groups not named get the plain ``N`` (default 1)."""
+    items = value if isinstance(value, list) else [value] if value is not None else []
+    every, per = 1, {}
+    for item in items:
+        gid, sep, n = str(item).rpartition("=")
+        if sep and gid not in groups:
+            raise ValueError(f"--learners {item}: {gid!r} is not a learner group (groups: {groups})")
+        if sep:
+            per[gid] = int(n)
+        else:
+            every = int(n)
+    return {g: per.get(g, every) for g in groups}
 
 
 def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str, dict[str, Any]]:
-    """The [buffer], [learner] and [rollout] tables of this run (written to RUN/config.toml)."""
+    """The [buffer], [learner] and [rollout] tables of this run (written to RUN/config.toml); a team
+    on several base models also gets [groups.<model id>]: each learner group's own base, adapters,
+    agents and probe over the shared [learner] settings, and [rollout] a ``models`` table."""
     batch = args.tasks_per_step * args.group_size
-    ranks = dict(team.adapters)
-    return {
+    several = len(team.bases) > 1
+    first = next(iter(team.bases.values()))
+    cfg = {
         "buffer": {
             "group_size": args.group_size,
             "min_size": batch,
@@ -120,13 +200,7 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "checkpoint_interval_s": 0.5,
         },
         "learner": {
-            "base_model": model,
-            "adapters": list(ranks),
-            "lora": {"target_modules": list(team.target_modules)},  # ranks: per adapter, below
-            "agents": {
-                a: {"rank": r, "temperature": team.temperatures[a], **team.optimiser[a]}
-                for a, r in ranks.items()
-            },
+            **({} if several else _base_learner_table(first, several)),  # several: in [groups.<id>]
             "batch_size": batch,
             "micro_batch_rows": 256,
             "lr": args.lr,
@@ -141,24 +215,62 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "publish_mode": "inline",
             "linger_s": 600.0,  # the launcher stops it once the final version is evaluated
             "seed": args.seed,
-            "probe_prompt": list(team.probe_prompt),
-            "probe_completion": list(team.probe_completion),
         },
         "rollout": {
-            "model": model,
+            "model": str(first.model_dir) if several else model,
             "workflow": team.source,
             "tasks": str(Path(args.tasks).resolve()) if args.tasks else "",
             "group_size": args.group_size,
             "groups_in_flight": args.tasks_per_step,
             "num_replicas": args.rollouts,
             "seed": args.seed,
-            "max_lora_rank": team.max_lora_rank,
-            "lora_target_modules": list(team.target_modules),
+            "max_lora_rank": first.max_lora_rank,
+            "lora_target_modules": list(first.target_modules),
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
             "reward_scale": reward_scale(args),
         },
     }
+    if several:
+        cfg["groups"] = {m: _base_learner_table(b, several) for m, b in team.bases.items()}
+        cfg["rollout"]["models"] = {
+            m: {
+                "path": str(d),
+                "max_lora_rank": _rank_of(team, m),
+                "lora_target_modules": _targets_of(team, m),
+            }
+            for m, d in team.model_dirs.items()
+        }
+    return cfg
+
+
+def _base_learner_table(base: Any, several: bool) -> dict[str, Any]:
+    """What a learner group's table says about its base: the folder, adapters with their own ranks
+    and settings, LoRA targets, the probe; in a team of several bases also which agents it samples."""
+    out = {
+        "base_model": str(base.model_dir),
+        "adapters": list(base.adapters),
+        "lora": {"target_modules": list(base.target_modules)},  # ranks: per adapter, below
+        "agents": {
+            a: {"rank": r, "temperature": base.temperatures[a], **base.optimiser[a]}
+            for a, r in base.adapters.items()
+        },
+        "probe_prompt": list(base.probe_prompt),
+        "probe_completion": list(base.probe_completion),
+    }
+    if several:
+        out |= {"group": base.model_id, "group_agents": list(base.agents)}
+    return out
+
+
+def _rank_of(team: Any, model_id: str) -> int:
+    base = team.bases.get(model_id)
+    return base.max_lora_rank if base is not None else 8  # a base no agent trains serves no adapter
+
+
+def _targets_of(team: Any, model_id: str) -> list[str]:
+    base = team.bases.get(model_id)
+    return list(base.target_modules) if base is not None else []
 
 
 def reward_scale(args: argparse.Namespace) -> dict[str, float]:
@@ -211,7 +323,11 @@ def _apply_user_config(
         if unknown:
             raise PlanError(f"--config {path}: unknown tables {unknown} (known: run, {', '.join(SECTIONS)})")
         for sec in SECTIONS:
-            _merge(out[sec], data.get(sec, {}))
+            if sec in data and sec not in out:
+                raise PlanError(
+                    f"--config {path}: [{sec}]: this workflow trains one base model (no learner groups)"
+                )
+            _merge(out.get(sec, {}), data.get(sec, {}))
     try:
         apply_overrides(out, [s for s in sets or []])
     except ConfigError as e:
@@ -241,9 +357,12 @@ def validate(cfg: dict[str, dict[str, Any]]) -> None:
     from teamrl.protocol.configfile import format_validation_error
     from teamrl.rollout.service import RolloutConfig
 
-    for sec, model in (("buffer", BufferConfig), ("learner", LearnerConfig), ("rollout", RolloutConfig)):
+    tables = [("buffer", BufferConfig, cfg["buffer"]), ("rollout", RolloutConfig, cfg["rollout"])]
+    groups = cfg.get("groups") or {"": {}}
+    tables += [(f"groups.{g}" if g else "learner", LearnerConfig, learner_table(cfg, g)) for g in groups]
+    for sec, model, table in tables:
         try:
-            model.model_validate(cfg[sec])
+            model.model_validate(table)
         except ValidationError as e:
             raise PlanError(format_validation_error(e, "teamrl run", prefix=sec)) from None
     b, lrn, r = cfg["buffer"], cfg["learner"], cfg["rollout"]

@@ -1,6 +1,6 @@
 """``teamrl run`` / ``teamrl demo``: train a workflow's agents on a model, end to end, on this machine.
 
-    teamrl run --workflow NAME|PATH.toml [--model DIR|embedded|embedded-text]
+    teamrl run --workflow NAME|PATH.toml [--model DIR|embedded|embedded-text|MODEL_ID=DIR ...]
                [--config run.toml] [--set section.key=value ...] [flags]
 
 Everything workflow-specific comes from the workflow and the model folder (``teamrl.cli.plan``):
@@ -26,6 +26,13 @@ import tomllib
 from pathlib import Path
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
+
+
+def _ranks(text: str) -> str:
+    """``--learners N`` or ``--learners MODEL_ID=N`` (N >= 1); the group is checked by the plan."""
+    n = text.rpartition("=")[2]
+    _at_least(1)(n)
+    return text
 
 
 def _at_least(lo: int):
@@ -75,10 +82,14 @@ def build_parser(
     )
     p.add_argument(
         "--model",
+        action="append",
         default=None,
-        help="model folder (Hugging Face layout), 'embedded' (character model, addition workflows) or "
-        "'embedded-text' (small BPE model for the text workflows); default: the workflow's own "
-        "models.<id>.path, else 'embedded'. The embedded models are built on first use",
+        metavar="DIR|MODEL_ID=DIR",
+        help="model folder (Hugging Face layout), 'embedded' (character model, addition workflows), "
+        "'embedded-llama' (the same on the Llama architecture) or 'embedded-text' (small BPE model "
+        "for the text workflows); MODEL_ID=DIR gives one model of a team of different models "
+        "(repeatable); default: the workflow's own models.<id>.path, else 'embedded'. The embedded "
+        "models are built on first use",
     )
     p.add_argument("--tasks", default=None, help="JSONL/Parquet task file instead of the workflow's tasks")
     p.add_argument(
@@ -133,7 +144,15 @@ def build_parser(
         "staleness (the AReaL staleness experiment); 0 (default): the latest",
     )
     p.add_argument("--rollouts", type=_at_least(1), default=1, help="rollout services (async; default 1)")
-    p.add_argument("--learners", type=_at_least(1), default=1, help="learner ranks (async; default 1)")
+    p.add_argument(
+        "--learners",
+        type=_ranks,
+        action="append",
+        default=None,
+        metavar="N|MODEL_ID=N",
+        help="learner ranks (async; default 1): N for every learner group, MODEL_ID=N for one group of "
+        "a team of different models (repeatable)",
+    )
     p.add_argument(
         "--max-lag", type=_at_least(0), default=2, help="async: drop data more than this many versions old"
     )
@@ -229,6 +248,13 @@ def main(
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     print(f"[teamrl] {run_plan.team.summary()}", flush=True)
+    if args.mode == "sync" and len(run_plan.groups) > 1:
+        print(
+            f"{prog}: --mode sync trains one base model; this team has {len(run_plan.groups)} "
+            f"({', '.join(run_plan.groups)}): use --mode async (one learner group per base)",
+            file=sys.stderr,
+        )
+        return 2
     if args.mode == "async":
         from teamrl.cli.run_async import run_async
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from teamrl.cli.plan import RunPlan, config_toml
+from teamrl.cli.plan import RunPlan, config_toml, learner_ranks
 from teamrl.cli.plots import read_jsonl
 from teamrl.cli.run_sync import summary
 from teamrl.cli.supervisor import Service, Supervisor
@@ -63,13 +63,14 @@ def free_port() -> int:
 
 
 class LiveView:
-    """A rich live table on a terminal; one plain line per learner step otherwise (logs, CI)."""
+    """A rich live table on a terminal; one plain line per learner step otherwise (logs, CI). A team
+    of different models shows each learner group's step, version, lag and step time."""
 
     def __init__(self, total_steps: int) -> None:
         self.total = total_steps
         self.tty = sys.stdout.isatty()
         self.live: Any = None
-        self.printed_step = -1
+        self.printed_step: dict[str, int] = {}
         if self.tty:
             from rich.live import Live
 
@@ -77,29 +78,34 @@ class LiveView:
             self.live.start()
 
     def update(
-        self, row: dict | None, ev: dict | None, buf: dict | None, alive: dict[str, bool], t: float
+        self,
+        rows: dict[str, dict | None],
+        ev: dict | None,
+        buf: dict | None,
+        alive: dict[str, bool],
+        t: float,
     ) -> None:
+        """``rows``: each learner group's last metrics row ("" for a one-base team)."""
         if self.live is not None:
             from rich.table import Table
 
             tab = Table(title=f"teamrl run (async) - {t:.0f} s", show_header=False, min_width=60)
-            step = (row or {}).get("step", -1) + 1
-            tab.add_row("learner step", f"{step}/{self.total}  version v{(row or {}).get('version', 0)}")
-            if row:
+            for g, row in rows.items():
+                who = f" {g}" if g else ""
+                step = (row or {}).get("step", -1) + 1
                 tab.add_row(
-                    "train reward",
-                    "  ".join(
-                        f"{k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("reward/")
-                    ),
+                    f"learner{who} step", f"{step}/{self.total}  version v{(row or {}).get('version', 0)}"
                 )
-                tab.add_row(
-                    "step time / data wait",
-                    f"{row.get('step_seconds', 0):.1f} s / {row.get('sample_wait_seconds', 0):.1f} s",
-                )
-                tab.add_row(
-                    "version lag (mean/max)",
-                    f"{row.get('version_lag_mean', 0):.2f} / {row.get('version_lag_max', 0):.0f}",
-                )
+                if row:
+                    tab.add_row(f"train reward{who}", _rewards(row))
+                    tab.add_row(
+                        f"step time / data wait{who}",
+                        f"{row.get('step_seconds', 0):.1f} s / {row.get('sample_wait_seconds', 0):.1f} s",
+                    )
+                    tab.add_row(
+                        f"version lag (mean/max){who}",
+                        f"{row.get('version_lag_mean', 0):.2f} / {row.get('version_lag_max', 0):.0f}",
+                    )
             if ev:
                 tab.add_row(f"held-out @v{ev.get('version')}", held_out_line(ev))
             if buf:
@@ -109,19 +115,26 @@ class LiveView:
                 )
             tab.add_row("services", "  ".join(f"{n}:{'up' if a else 'DOWN'}" for n, a in alive.items()))
             self.live.update(tab)
-        elif row is not None and row.get("step", -1) > self.printed_step:
-            self.printed_step = row["step"]
+            return
+        for g, row in rows.items():
+            if row is None or row.get("step", -1) <= self.printed_step.get(g, -1):
+                continue
+            self.printed_step[g] = row["step"]
             print(
-                f"[teamrl] step {row['step'] + 1}/{self.total} v{row.get('version')} reward "
-                + " ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("reward/"))
-                + f" (step {row.get('step_seconds', 0):.1f} s, waited {row.get('sample_wait_seconds', 0):.1f} s,"
-                f" lag {row.get('version_lag_mean', 0):.2f}; buffer {buf.get('size') if buf else '?'})",
+                f"[teamrl] {g + ' ' if g else ''}step {row['step'] + 1}/{self.total} v{row.get('version')} "
+                f"reward {_rewards(row)} (step {row.get('step_seconds', 0):.1f} s, waited "
+                f"{row.get('sample_wait_seconds', 0):.1f} s, lag {row.get('version_lag_mean', 0):.2f}; "
+                f"buffer {buf.get('size') if buf else '?'})",
                 flush=True,
             )
 
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
+
+
+def _rewards(row: dict) -> str:
+    return "  ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("reward/"))
 
 
 def held_out_line(ev: dict) -> str:
@@ -153,15 +166,19 @@ def transport_table(args: argparse.Namespace, run_dir: Path) -> dict[str, dict[s
 @dataclass
 class Wiring:
     """Where this start's services meet: loopback ports picked fresh every start (state lives in the
-    run folder, not in the wiring), and the endpoints built from them."""
+    run folder, not in the wiring), and the endpoints built from them. Each learner group has its
+    own weights endpoint (``publish`` / ``publish_<group>``) and metrics port."""
 
     ports: dict[str, int]
 
     @classmethod
-    def pick(cls, rollouts: int) -> Wiring:
-        ports = {"data": free_port(), "sample": free_port(), "publish": free_port_pair()}
+    def pick(cls, rollouts: int, groups: list[str] | tuple[str, ...] = ("",)) -> Wiring:
+        ports = {"data": free_port(), "sample": free_port()}
+        for g in groups:
+            ports[_named("publish", g)] = free_port_pair()
         ports["metrics_buffer"] = free_port()
-        ports["metrics_learner"] = free_port()
+        for g in groups:
+            ports[_named("metrics_learner", g)] = free_port()
         for i in range(rollouts):
             ports[f"metrics_rollout_{i}"] = free_port()
         return cls(ports)
@@ -172,6 +189,17 @@ class Wiring:
     @property
     def metrics(self) -> dict[str, int]:
         return {k.removeprefix("metrics_"): v for k, v in self.ports.items() if k.startswith("metrics_")}
+
+
+def _named(what: str, group: str) -> str:
+    """``what`` for a one-base team, ``what_<group>`` for a learner group of a team of several."""
+    return f"{what}_{group}" if group else what
+
+
+def group_dir(run_dir: Path, group: str) -> Path:
+    """A learner group's folder (metrics.jsonl, adapters/, checkpoints/): the run folder itself for a
+    one-base team, ``RUN/groups/<model id>`` for each group of a team of different models."""
+    return run_dir / "groups" / group if group else run_dir
 
 
 def prepare_run_dir(args: argparse.Namespace, plan: RunPlan, run_dir: Path, wiring: Wiring) -> float:
@@ -191,9 +219,13 @@ def prepare_run_dir(args: argparse.Namespace, plan: RunPlan, run_dir: Path, wiri
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def plan_services(args: argparse.Namespace, run_dir: Path, wiring: Wiring, t0: float) -> list[Service]:
-    """The services of this start, in start order: the buffer, the learner ranks, the rollouts. Pure:
-    nothing is started, nothing is written."""
+def plan_services(
+    args: argparse.Namespace, run_dir: Path, wiring: Wiring, t0: float, groups: list[str] | None = None
+) -> list[Service]:
+    """The services of this start, in start order: the buffer, each learner group's ranks, the
+    rollouts. ``groups``: the learner groups ([""]: one base model). Pure: nothing is started,
+    nothing is written."""
+    groups = groups or [""]
     cfg_path = str(run_dir / "config.toml")
     env = {"TEAMRL_RUN_T0": str(t0), "OMP_NUM_THREADS": str(args.threads_per_service)}
     logs = run_dir / "logs"
@@ -207,39 +239,67 @@ def plan_services(args: argparse.Namespace, run_dir: Path, wiring: Wiring, t0: f
             env,
         )
     ]
-    for rank in range(args.learners):
-        lenv = dict(env)
-        if args.learners > 1:
-            lenv.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(args.learners),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(wiring.ports.setdefault("rendezvous", free_port())),
-            )
-        metrics = wiring.ports["metrics_learner"] if rank == 0 else free_port()
-        argv = ["learner", "--config", cfg_path, "--buffer", ep("sample"), "--publish", ep("publish")]
-        argv += ["--run-dir", str(run_dir), "--threads", str(args.threads_per_service)]
-        argv += ["--metrics-port", str(metrics)]
-        argv += ["--tensorboard", str(run_dir / "tensorboard")] if args.tensorboard else []
-        # the launcher owns its learners' rendezvous: one inherited from the caller's environment
-        # (a shell under torchrun, a process that ran a learner in-process) would name its port
-        out.append(Service(f"learner-{rank}", argv, logs / f"learner-{rank}.log", lenv, RENDEZVOUS_VARS))
+    ranks = learner_ranks(args.learners, groups)
+    for g in groups:
+        out += _learner_group(args, run_dir, wiring, env, g, ranks[g])
     # Rollouts on this machine get disjoint cores: left to vLLM's automatic binding, every engine
     # binds its worker to the same core(s). An operator's own VLLM_CPU_OMP_THREADS_BIND wins.
     rollout_env = [{**env, **share} for share in core_shares(args.rollouts)]
-    resumed_at = max([0, *(int(r.get("version", 0)) for r in read_jsonl(run_dir / "metrics.jsonl"))])
+    weights: list[str] = []
+    for g in groups:
+        weights += ["--weights", f"{g}={ep(_named('publish', g))}" if g else ep("publish")]
+        resumed_at = max(
+            [0, *(int(r.get("version", 0)) for r in read_jsonl(group_dir(run_dir, g) / "metrics.jsonl"))]
+        )
+        if resumed_at:  # the learner re-announces this version at start; older weights would be wasted
+            key = f"models.{g}.start_version" if g else "start_version"
+            weights += ["--set", f"{key}={resumed_at}"]
     for i in range(args.rollouts):
         extra = ["--set", f"replica={i}", "--set", f'buffer_control="{ep("sample")}"']
-        if resumed_at:  # the learner re-announces this version at start; older weights would be wasted
-            extra += ["--set", f"start_version={resumed_at}"]
         if i == 0:
             extra += ["--set", f'eval_file="{run_dir / "eval.jsonl"}"']
             extra += ["--set", f'samples_dir="{run_dir / "samples"}"']
-        argv = ["rollout", "--config", cfg_path, "--buffer", ep("data"), "--weights", ep("publish")]
+        argv = ["rollout", "--config", cfg_path, "--buffer", ep("data"), *weights]
         argv += ["--metrics-port", str(wiring.ports.get(f"metrics_rollout_{i}", 0)), *extra]
         out.append(Service(f"rollout-{i}", argv, logs / f"rollout-{i}.log", rollout_env[i]))
     return out
+
+
+def _learner_group(
+    args: argparse.Namespace, run_dir: Path, wiring: Wiring, env: dict[str, str], group: str, n: int
+) -> list[Service]:
+    """The ``n`` ranks of one learner group: data-parallel among themselves (their own rendezvous),
+    their own weights endpoint, metrics port and folder."""
+    cfg_path = str(run_dir / "config.toml")
+    out = []
+    for rank in range(n):
+        lenv = dict(env)
+        if n > 1:
+            lenv.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(n),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(wiring.ports.setdefault(_named("rendezvous", group), free_port())),
+            )
+        metrics = wiring.ports[_named("metrics_learner", group)] if rank == 0 else free_port()
+        argv = ["learner", "--config", cfg_path, "--buffer", wiring.endpoint("sample")]
+        argv += ["--publish", wiring.endpoint(_named("publish", group))]
+        argv += ["--run-dir", str(group_dir(run_dir, group)), "--threads", str(args.threads_per_service)]
+        argv += ["--metrics-port", str(metrics)] + (["--group", group] if group else [])
+        tb = group_dir(run_dir / "tensorboard", group)
+        argv += ["--tensorboard", str(tb)] if args.tensorboard else []
+        # the launcher owns its learners' rendezvous: one inherited from the caller's environment
+        # (a shell under torchrun, a process that ran a learner in-process) would name its port
+        name = f"learner-{group}-{rank}" if group else f"learner-{rank}"
+        out.append(Service(name, argv, run_dir / "logs" / f"{name}.log", lenv, RENDEZVOUS_VARS))
+    return out
+
+
+def _group_of(name: str) -> str:
+    """A learner service's group: ``learner-solver-model-1`` -> ``learner-solver-model``; its ranks
+    rendezvous, so they are restarted together (other groups train on)."""
+    return name.rsplit("-", 1)[0]
 
 
 @dataclass
@@ -254,8 +314,8 @@ def restart_or_give_up(sup: Supervisor, watch: Watch) -> bool:
     """Restart services that died (learner ranks all together: they rendezvous), each at most
     ``MAX_RESTARTS`` times; False once one is out of restarts (the run stops, rc 1)."""
     dead = [s for s in sup.dead() if not (s.name.startswith("learner") and s.proc.returncode == 0)]
-    if any(d.name.startswith("learner") for d in dead):
-        dead += [s for s in sup.services if s.name.startswith("learner") and s not in dead]
+    for group in {_group_of(d.name) for d in dead if d.name.startswith("learner")}:
+        dead += [s for s in sup.services if _group_of(s.name) == group and s not in dead]
     for s in [d for d in dead if watch.restarts.get(d.name, 0) < MAX_RESTARTS]:
         # Each service resumes from what it persisted: the buffer from its checkpoint (frames it had
         # not acked are resent by the rollouts), a learner from its last complete checkpoint, a
@@ -285,21 +345,27 @@ def restart_or_give_up(sup: Supervisor, watch: Watch) -> bool:
 
 
 def watch_run(
-    args: argparse.Namespace, run_dir: Path, sup: Supervisor, stop_asked: list[str], t_begin: float
+    args: argparse.Namespace,
+    run_dir: Path,
+    sup: Supervisor,
+    stop_asked: list[str],
+    t_begin: float,
+    groups: list[str] | None = None,
 ) -> Watch:
-    """Show the run live and keep it alive until the learner's last step has been evaluated (or a
-    signal, or a service out of restarts)."""
+    """Show the run live and keep it alive until every learner group's last step has been evaluated
+    (or a signal, or a service out of restarts)."""
+    groups = groups or [""]
     view = LiveView(args.steps)
     watch = Watch()
     final_wait_started: float | None = None
     try:
         while True:
             time.sleep(1.0)
-            rows = read_jsonl(run_dir / "metrics.jsonl")
+            rows = {g: read_jsonl(group_dir(run_dir, g) / "metrics.jsonl") for g in groups}
             evals = read_jsonl(run_dir / "eval.jsonl")
             stats = read_jsonl(run_dir / "buffer" / "stats.jsonl")
             alive = {s.name: s.alive for s in sup.services}
-            last = rows[-1] if rows else None
+            last = {g: r[-1] if r else None for g, r in rows.items()}
             view.update(
                 last, evals[-1] if evals else None, stats[-1] if stats else None, alive, time.time() - t_begin
             )
@@ -309,12 +375,13 @@ def watch_run(
                 return watch
             if not restart_or_give_up(sup, watch):
                 return watch
-            # done: every step written (a finished learner lingers, serving its final version until
-            # the last evaluation), or every learner exited
-            learners_done = bool(rows) and rows[-1]["step"] + 1 >= args.steps
+            # done: every group's steps written (a finished learner lingers, serving its final version
+            # until the last evaluation), or every learner exited
+            learners_done = all(r and r[-1]["step"] + 1 >= args.steps for r in rows.values())
             learners_done |= all(not s.alive for s in sup.services if s.name.startswith("learner"))
             if learners_done:
-                final = rows[-1]["version"] if rows else 0
+                # a team of several bases is evaluated at the lowest version any base has live
+                final = min((r[-1]["version"] if r else 0) for r in rows.values())
                 if not args.eval_interval or any(e.get("version") == final for e in evals):
                     return watch
                 final_wait_started = final_wait_started or time.time()
@@ -356,9 +423,10 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     """Plan the services, start them, watch, stop them in order, finish."""
     run_dir = Path(args.run_dir)
     t_begin = time.time()
-    wiring = Wiring.pick(args.rollouts)
+    groups = plan.groups
+    wiring = Wiring.pick(args.rollouts, groups)
     t0 = prepare_run_dir(args, plan, run_dir, wiring)
-    services = plan_services(args, run_dir, wiring, t0)
+    services = plan_services(args, run_dir, wiring, t0, groups)
     sup = Supervisor()
     stop_asked: list[str] = []
 
@@ -370,13 +438,15 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     try:
         for svc in services:
             sup.start(svc)
+        learners = sum(s.name.startswith("learner") for s in services)
+        each = f" in {len(groups)} groups ({', '.join(groups)})" if groups != [""] else ""
         print(
-            f"[teamrl] async run in {run_dir}: buffer, {args.learners} learner rank(s), {args.rollouts} rollout "
-            f"service(s); logs in {run_dir / 'logs'}; Prometheus /metrics on ports "
+            f"[teamrl] async run in {run_dir}: buffer, {learners} learner rank(s){each}, {args.rollouts} "
+            f"rollout service(s); logs in {run_dir / 'logs'}; Prometheus /metrics on ports "
             + ", ".join(f"{k} {v}" for k, v in wiring.metrics.items()),
             flush=True,
         )
-        watch = watch_run(args, run_dir, sup, stop_asked, t_begin)
+        watch = watch_run(args, run_dir, sup, stop_asked, t_begin, groups)
     finally:
         codes = sup.stop(timeout=60, order=STOP_ORDER)
         for s, h in old.items():

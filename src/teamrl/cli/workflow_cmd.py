@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "schema":
         print(schema_text())
         return 0
-    from teamrl.cli.plan import PlanError, config_toml, plan, resolve_model, workflow_model_path
+    from teamrl.cli.plan import PlanError, config_toml, plan, resolve_models
     from teamrl.rollout.team import plan_team
     from teamrl.rollout.workflow import WorkflowError
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             resolved = plan(args, build=False)
             print(config_toml(resolved.config), end="")
             return 0
-        model = resolve_model(args.model, workflow_model_path(args.workflow), build=False)
+        model = resolve_models(args.model, args.workflow, build=False)
         team = plan_team(args.workflow, model, tasks_path=args.tasks)
     except (PlanError, WorkflowError) as e:
         print(f"teamrl workflow {args.action}: {e}", file=sys.stderr)

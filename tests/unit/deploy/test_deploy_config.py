@@ -61,6 +61,32 @@ def _flags(args: list[str]) -> dict[str, str]:
     return {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
 
 
+def _values(args: list[str], flag: str) -> list[str]:
+    """Every value of a repeatable flag (``--weights MODEL_ID=EP`` once per base model)."""
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+
+
+def _role(name: str, w: Doc) -> str:
+    """The service a workload runs (a key of PORT_NAMES): the base's three are named after theirs;
+    any other workload must be a further learner group of a team of different models (README,
+    "Teams of different models"): `teamrl learner --group MODEL_ID` in its own StatefulSet."""
+    if name in PORT_NAMES:
+        return name
+    args = _container(w)["args"]
+    assert w["kind"] == "StatefulSet" and args[0] == "learner" and "--group" in args, f"{name}: {args[:1]}"
+    return "learner"
+
+
+def _learner_groups(workloads: dict[str, Doc]) -> dict[str, Doc]:
+    """The learner StatefulSets that run a learner group, by their ``--group`` model id."""
+    out = {}
+    for name, w in workloads.items():
+        flags = _flags(_container(w)["args"])
+        if _role(name, w) == "learner" and "--group" in flags:
+            out[flags["--group"]] = w
+    return out
+
+
 def _port_of(endpoint: str) -> int:
     port = urlsplit(endpoint).port
     assert port is not None, f"endpoint {endpoint!r} has no port"
@@ -175,9 +201,10 @@ def test_container_ports_equal_config_ports(overlay_docs: dict[str, list[Doc]], 
     ports = shipped_config["ports"]
     for name, docs in overlay_docs.items():
         workloads = _workloads(docs)
-        assert set(workloads) == set(PORT_NAMES), name
-        for wname, names in PORT_NAMES.items():
-            declared = {p["name"]: p["containerPort"] for p in _container(workloads[wname])["ports"]}
+        assert set(PORT_NAMES) <= set(workloads), name
+        for wname, w in workloads.items():
+            names = PORT_NAMES[_role(wname, w)]
+            declared = {p["name"]: p["containerPort"] for p in _container(w)["ports"]}
             assert declared == {n: ports[k] for n, k in names.items()}, f"{name}: {wname}"
 
 
@@ -187,7 +214,7 @@ def test_service_ports_equal_config_ports(overlay_docs: dict[str, list[Doc]], sh
         workloads = _workloads(docs)
         for svc in (d for d in docs if d["kind"] == "Service"):
             target = svc["spec"]["selector"]["app.kubernetes.io/name"]
-            names = PORT_NAMES[target]
+            names = PORT_NAMES[_role(target, workloads[target])]
             for p in svc["spec"]["ports"]:
                 assert p["targetPort"] in names, f"Service {svc['metadata']['name']}: {p}"
                 assert p["port"] == ports[names[p["targetPort"]]], f"Service {svc['metadata']['name']}: {p}"
@@ -198,14 +225,18 @@ def test_flags_use_config_ports_and_endpoints(
     overlay_docs: dict[str, list[Doc]], shipped_config: Doc
 ) -> None:
     ports, ends, paths = shipped_config["ports"], shipped_config["endpoints"], shipped_config["paths"]
+    from teamrl.rollout.service import parse_weights_flags
+
     for name, docs in overlay_docs.items():
-        for wname, w in _workloads(docs).items():
+        workloads = _workloads(docs)
+        for wname, w in workloads.items():
             args = _container(w)["args"]
-            assert args[0] == wname, f"{name}: {wname} runs `teamrl {args[0]}`"
+            role = _role(wname, w)
+            assert args[0] == role, f"{name}: {wname} runs `teamrl {args[0]}`"
             flags = _flags(args)
-            assert int(flags["--metrics-port"]) == ports[f"{wname}_metrics"], f"{name}: {wname}"
+            assert int(flags["--metrics-port"]) == ports[f"{role}_metrics"], f"{name}: {wname}"
             for flag, key in BIND_FLAGS.items():
-                if flag in flags and (wname, flag) not in DIAL_FLAGS:
+                if flag in flags and (role, flag) not in DIAL_FLAGS:
                     assert _port_of(flags[flag]) == ports[key], f"{name}: {wname} {flag}"
                     if flag in DERIVED_BINDS:
                         from teamrl.protocol.zmq_transport import latest_endpoint_for
@@ -213,12 +244,26 @@ def test_flags_use_config_ports_and_endpoints(
                         derived = _port_of(latest_endpoint_for(flags[flag]))
                         assert derived == ports[DERIVED_BINDS[flag]], f"{name}: {wname} {flag}"
             for (svc, flag), key in DIAL_FLAGS.items():
-                if svc == wname:
+                if svc != role:
+                    continue
+                plain, keyed = parse_weights_flags(_values(args, flag)) if flag == "--weights" else (None, {})
+                if not keyed:
                     assert flags[flag] == ends[key], f"{name}: {wname} {flag}"
+                    continue
+                # Several base models: one MODEL_ID=EP per learner group, each its own rank 0 pod
+                # (`learner` is the one [endpoints] names) on the config's publish port.
+                groups = _learner_groups(workloads)
+                assert plain is None and set(keyed) == set(groups), f"{name}: {wname} {flag} {keyed}"
+                for group, sts in groups.items():
+                    rank0 = f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
+                    assert keyed[group] == f"tcp://{rank0}:{ports[key]}", f"{name}: {wname} {flag} {group}"
+                assert ends[key] in keyed.values(), f"{name}: {wname} {flag}"
             if "--dir" in flags:
                 assert flags["--dir"] == paths["buffer_dir"]
             if "--run-dir" in flags:
-                assert flags["--run-dir"] == paths["run_dir"]
+                # A learner group of a team of different models writes below RUN/groups/<model id>.
+                group = f"/groups/{flags['--group']}" if "--group" in flags else ""
+                assert flags["--run-dir"] == paths["run_dir"] + group, f"{name}: {wname}"
 
 
 def test_network_policies_open_only_config_ports(
@@ -233,8 +278,9 @@ def test_network_policies_open_only_config_ports(
                 for p in rule.get("ports", []):
                     assert p["port"] in allowed, f"{name}: {np['metadata']['name']} opens {p['port']}"
         # Every listening port is reachable by some ingress rule of its pod's policy.
-        for wname, names in PORT_NAMES.items():
-            labels = workloads[wname]["spec"]["template"]["metadata"]["labels"]
+        for wname, w in workloads.items():
+            names = PORT_NAMES[_role(wname, w)]
+            labels = w["spec"]["template"]["metadata"]["labels"]
             rules = [
                 r
                 for np in policies
@@ -271,6 +317,10 @@ def test_service_cli_accepts_manifest_flags(service: str, overlay_docs: dict[str
     )
     assert res.returncode == 0, res.stdout + res.stderr
     for name, docs in overlay_docs.items():
-        flags = _flags(_container(_workloads(docs)[service])["args"])
-        for flag in flags:
-            assert re.search(rf"{re.escape(flag)}\b", res.stdout), f"{name}: `teamrl {service}` has no {flag}"
+        for wname, w in _workloads(docs).items():
+            if _role(wname, w) != service:
+                continue
+            for flag in _flags(_container(w)["args"]):
+                assert re.search(rf"{re.escape(flag)}\b", res.stdout), (
+                    f"{name}: `teamrl {service}` has no {flag}"
+                )

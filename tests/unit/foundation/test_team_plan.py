@@ -119,8 +119,11 @@ def test_reward_answer_from_must_name_an_agent_and_other_refusals(tmp_path: Path
         )
     with pytest.raises(WorkflowError, match=r"unknown reward 'magic'"):
         plan_team(write_workflow(tmp_path / "b.toml", reward={"name": "magic"}), model)
-    with pytest.raises(WorkflowError, match=r"trained agents run on 2 base models"):
-        plan_team("math-duo-hetero", model, tokenizer=ByteTokenizer())
+    hetero = plan_team("math-duo-hetero", model, tokenizer=ByteTokenizer())  # one learner group per base
+    assert {m: b.agents for m, b in hetero.bases.items()} == {
+        "planner-model": ["planner"],
+        "solver-model": ["solver"],
+    }
     with pytest.raises(WorkflowError, match=r"no attention projection"):
         lora_targets(fake_model(tmp_path / "gpt", modules=("c_attn", "c_proj")))
 

@@ -28,7 +28,7 @@ def test_an_unreadable_reply_is_counted_and_asked_for_again(monkeypatch) -> None
     frame = encode_trajectories_buffer(good)
     garbage = b"\x00 not an Arrow stream" * 4
     svc = S.LearnerService.__new__(S.LearnerService)
-    svc.cfg = SimpleNamespace(batch_size=3, min_policy_version_lag=-1)
+    svc.cfg = SimpleNamespace(batch_size=3, min_policy_version_lag=-1, group="", group_agents=[])
     svc.version, svc.rank, svc.stop_reason, svc.sample_timeout_s, svc._request_id = 0, 0, None, 30.0, 0
     svc.rpc = _Buffer(
         [

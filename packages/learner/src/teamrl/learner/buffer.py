@@ -10,11 +10,18 @@ Design decisions:
   a sample hands out whole groups. ``batch_size`` counts trajectories; groups are added in sampler
   order while they fit, so a batch never exceeds ``batch_size`` unless one group alone does. With
   ``group_size == 1`` every episode is its own group.
-* **Staleness (SEED RL / IMPALA policy lag).** The current version is the highest step
-  ``policy_version`` seen, raised by the learner's hint ``min_policy_version + max_policy_lag``. A
-  trajectory whose *oldest* step lags more than ``max_policy_lag`` behind it is refused at
-  admission (``drop``) or kept with weight ``stale_decay ** (lag - max_policy_lag)``
-  (``downweight``); the lag is re-evaluated at sample time, since held data ages too.
+* **Staleness (SEED RL / IMPALA policy lag), per base model.** Each base model (step
+  ``model_id``) has its own adapter-version sequence, so ``current_versions[model_id]`` is the
+  highest step ``policy_version`` seen on that base, raised by a learner's hint
+  ``min_policy_version + max_policy_lag`` for the request's ``model_id`` (a hint without one
+  raises every base). A trajectory's lag is the largest, over its bases, of that base's current
+  version minus its oldest step on that base; past ``max_policy_lag`` it is refused at admission
+  (``drop``) or kept with weight ``stale_decay ** (lag - max_policy_lag)`` (``downweight``). With
+  one base this is the plain SEED RL rule. ``current_version`` (the highest of all) bounds the
+  ``version_window`` and judges requests without ``model_id`` as before: at sample time groups
+  whose oldest step lags too far are evicted. A request with ``model_id`` judges only that base,
+  and a group stale for it is given up by its view alone (counted ``evicted{reason="stale"}``):
+  other views still get it (docs/architecture.md, "The replay buffer").
 * **Rate limiting = Reverb's ``SampleToInsertRatio``.** With ``spi`` samples per insert the
   limiter keeps ``diff = inserts * spi - samples`` within ``min_size * spi +- error_buffer``:
   sampling that would push ``diff`` below the floor is refused (``rate_limited``), inserting that
@@ -23,15 +30,22 @@ Design decisions:
 * **Samplers.** ``fifo`` (oldest group first), ``uniform``, and ``prioritized`` (Schaul et al.
   2016, eq. 1: P(g) ~ p_g ** alpha, importance weight (N P(g)) ** -beta normalised by its max)
   with p_g = mean_i |r_i - mean(r)| + eps over the group's trajectory rewards: a group whose
-  rewards are all equal carries no GRPO advantage, so it is sampled least. An item leaves the
-  buffer after ``max_times_sampled`` samples of one view (whole trajectories, or one agent's).
-* **Ranks.** Each request of a rank opens that rank's next round; a group handed out in round r
-  is marked taken by that rank, and no other rank gets it in its own round r, so data-parallel
-  ranks in lock step never train on the same trajectory in one step (kept for ``ROUND_WINDOW``
-  rounds behind the fastest rank). With ``max_times_sampled == 1`` a handed-out item is gone anyway.
+  rewards are all equal carries no GRPO advantage, so it is sampled least.
+* **Views.** A request reads one *view*: whole trajectories (``WHOLE``), or the trajectories in
+  which any of a set of agents acted (one learner group's agents), named by the sorted ids joined
+  by ``VIEW_SEP`` (one agent: its id). Each item counts its samples per view, and views share
+  nothing else (counts, rank rounds), so one learner group's sampling never consumes or blocks
+  another's. An item leaves the buffer once the whole view used it ``max_times_sampled`` times,
+  or once every agent that acted in it belongs to some view that did (or gave it up as stale).
+* **Ranks.** Each request of a rank opens that rank's next round of its view; a group handed out
+  in round r is marked taken by that rank for that view, and no other rank of the view gets it in
+  its own round r, so data-parallel ranks in lock step never train on the same trajectory in one
+  step (kept for ``ROUND_WINDOW`` rounds behind the fastest rank). With ``max_times_sampled == 1``
+  a handed-out item is gone from the view anyway.
 * **Persistence.** Every admitted trajectory is appended to an Arrow IPC stream *segment* and
-  fsync'ed; a *checkpoint* (JSON state: counters, limiter, the (incarnation, seq) table, which
-  keys are held and how often they were sampled, the segments it needs) becomes valid only once
+  fsync'ed; a *checkpoint* (JSON state: counters, limiter, per-base versions, the (incarnation,
+  seq) table, which keys are held and how often each view sampled them, the segments it needs)
+  becomes valid only once
   its ``DONE`` marker exists. The service acks frames only after the checkpoint that covers them,
   so after a crash the state is exactly the last complete checkpoint and producers resend the
   rest (docs/reliability.md R-kill-buffer). Segment rows past a checkpoint are never read back.
@@ -49,6 +63,7 @@ from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +85,8 @@ from teamrl.protocol.trajectory import GraphTrajectory
 log = logging.getLogger(__name__)
 
 WHOLE = ""  # the view of whole-trajectory sampling; agent views are named by agent id
+VIEW_SEP = "\x1f"  # joins the sorted ids of a several-agent view; admission refuses ids holding it
+CONSUMED = -1  # an item's count for a view that gave it up (stale for the view's base model)
 PRIORITY_EPS = 1e-2  # keeps zero-advantage groups sampleable (Schaul et al. 2016, eq. 1's epsilon)
 STATE_FORMAT = 1
 ROUND_WINDOW = 64  # rounds a rank may lag the fastest one and still be kept apart from it
@@ -114,14 +131,59 @@ class VersionOutOfRange(ReplayBufferError):
 
 
 MAX_AGENT_ID_CHARS = 256  # as teamrl.protocol.control.Id (BufferStats.per_agent keys, SampleRequest)
+MAX_VIEW_AGENTS = 256  # as teamrl.protocol.control.MAX_SAMPLE_AGENTS
+
+
+def _nameable(agent_id: str) -> bool:
+    return 1 <= len(agent_id) <= MAX_AGENT_ID_CHARS and VIEW_SEP not in agent_id
 
 
 class InvalidAgentId(ReplayBufferError):
-    """A step's agent id is empty or longer than ``MAX_AGENT_ID_CHARS``: no control message could
-    name it (one such frame made every later BufferStats reply fail its schema), so the frame is
-    refused, counted, and nothing changes."""
+    """A step's agent id is empty, longer than ``MAX_AGENT_ID_CHARS``, or holds ``VIEW_SEP``: no
+    control message could name it (one such frame made every later BufferStats reply fail its
+    schema), or its name could be taken for a view of several agents, so the frame is refused,
+    counted, and nothing changes."""
 
     reason = "invalid_agent_id"
+
+
+class InvalidView(ReplayBufferError):
+    """A sample request names its agents wrongly: both ``agent_id`` and ``agent_ids``, an empty
+    list, more than ``MAX_VIEW_AGENTS`` ids, or an id no admitted step can carry. Refused and
+    counted before anything changes."""
+
+    reason = "invalid_agent_ids"
+
+
+def view_name(agent_id: str | None = None, agent_ids: Iterable[str] | None = None) -> str:
+    """The view a request reads: ``WHOLE`` (no agents; ``agent_id`` "" too, as before), one
+    agent's id, or the sorted distinct ids joined by ``VIEW_SEP``. Raises ``InvalidView``."""
+    if agent_ids is None:
+        if not agent_id:
+            return WHOLE
+        ids = [agent_id]
+    elif agent_id is not None:
+        raise InvalidView("set agent_id or agent_ids, not both")
+    elif isinstance(agent_ids, str):
+        raise InvalidView("agent_ids is a list of agent ids, not one id")
+    else:
+        ids = sorted(set(agent_ids))
+        if not ids:
+            raise InvalidView("agent_ids is empty (None asks for whole trajectories)")
+        if len(ids) > MAX_VIEW_AGENTS:
+            raise InvalidView(f"{len(ids)} agent ids: at most {MAX_VIEW_AGENTS}")
+    bad = next((a for a in ids if not _nameable(a)), None)
+    if bad is not None:
+        raise InvalidView(
+            f"agent id of {len(bad)} characters (1..{MAX_AGENT_ID_CHARS} allowed, without {VIEW_SEP!r})"
+        )
+    return VIEW_SEP.join(ids)
+
+
+@lru_cache(maxsize=4096)
+def view_agents(view: str) -> frozenset[str]:
+    """The agent ids of a view name (empty for ``WHOLE``)."""
+    return frozenset(view.split(VIEW_SEP)) if view else frozenset()
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +257,8 @@ class _Item:
     min_version: int
     max_version: int
     steps_per_agent: dict[str, int]
-    sampled: dict[str, int] = field(default_factory=dict)  # view -> times sampled
+    sampled: dict[str, int] = field(default_factory=dict)  # view -> times sampled, or CONSUMED
+    models: dict[str, tuple[int, int]] = field(default_factory=dict)  # base model -> (min, max) version
 
 
 @dataclass(eq=False)
@@ -204,7 +267,7 @@ class _Group:
     items: list[_Item]
     born: float  # monotonic time its first episode arrived
     priority: float = 1.0  # p_g ** alpha (prioritized sampler)
-    taken: dict[int, int] = field(default_factory=dict)  # round -> the rank it went to
+    taken: dict[str, dict[int, int]] = field(default_factory=dict)  # view -> round -> the rank it went to
     serial: int = -1  # release order; its key in ReplayBuffer._groups once released
 
     @property
@@ -271,6 +334,7 @@ class ReplayBuffer:
         store.append(res.accepted)                 # persist before acking the frame
         buf.expire_groups(time.monotonic())        # release incomplete groups past their timeout
         out = buf.sample(batch_size=8, rank=0)     # Sample, or Refused(reason)
+        out = buf.sample(8, rank=0, agent_ids=["planner"], model_id="base-a", min_policy_version=v)
         state = buf.state_dict(now)                # JSON-able; load_state_dict(state, trajs, now)
     """
 
@@ -320,9 +384,11 @@ class ReplayBuffer:
         self._size = 0
         self._per_agent: Tally[str] = Tally()
         self._seen: dict[str, _SeqSet] = {}
-        self._rounds: dict[int, int] = {}  # rank -> its next round
+        self._rounds: dict[str, dict[int, int]] = {}  # view -> rank -> its next round
         self.next_key = 0
-        self.current_version = -1
+        self.current_version = -1  # highest version of any base (steps and hints)
+        self.current_versions: dict[str, int] = {}  # base model id -> its current version
+        self._hint_version = -1  # highest hint without model_id: raises every base, known or not
         self.inserted = 0
         self.sampled = 0
         self.duplicates = 0
@@ -355,6 +421,10 @@ class ReplayBuffer:
         if not items:
             return -1, -1
         return min(it.min_version for it in items), max(it.max_version for it in items)
+
+    def current_version_of(self, model_id: str) -> int:
+        """The version staleness on base ``model_id`` is judged against (-1: nothing known)."""
+        return self.current_versions.get(model_id, self._hint_version)
 
     def keys(self) -> list[int]:
         """Sorted keys of every held and pending trajectory (what persistence must keep)."""
@@ -414,12 +484,12 @@ class ReplayBuffer:
                 f"policy version {top} is more than version_window={self.version_window} above the "
                 f"current version {self.current_version}"
             )
-        bad = next(
-            (a for r in rows for a in r.steps_per_agent() if not 1 <= len(a) <= MAX_AGENT_ID_CHARS), None
-        )
+        bad = next((a for r in rows for a in r.steps_per_agent() if not _nameable(a)), None)
         if bad is not None:  # before any state changes, like the version check
             self.count_rejected(InvalidAgentId.reason)
-            raise InvalidAgentId(f"agent id of {len(bad)} characters: 1..{MAX_AGENT_ID_CHARS} allowed")
+            raise InvalidAgentId(
+                f"agent id of {len(bad)} characters: 1..{MAX_AGENT_ID_CHARS} allowed, without {VIEW_SEP!r}"
+            )
         if source is not None:
             inc, seq = source
             seen = self._seen.get(inc)
@@ -429,18 +499,21 @@ class ReplayBuffer:
                 self.count_duplicates(1)
                 return InsertResult([], duplicate=True)
             seen.add(seq)
-        for r in rows:
+        models = [r.versions_per_model() for r in rows]
+        for r, per_model in zip(rows, models, strict=True):
             self.current_version = max(self.current_version, r.versions(-1)[1])
+            for m, (_, top_m) in per_model.items():
+                self.current_versions[m] = max(self.current_version_of(m), top_m)
         res = InsertResult([])
-        for r in rows:
+        for r, per_model in zip(rows, models, strict=True):
             lo, hi = r.versions(self.current_version)
-            lag = max(0, self.current_version - lo)
+            lag = self._lag(per_model)
             if self._too_stale(lag) and self.stale_action == "drop":
                 self.count_rejected("stale")
                 res.stale += 1
                 continue
             STALENESS.observe(lag)
-            item = _Item(self.next_key, r, lo, hi, r.steps_per_agent())
+            item = _Item(self.next_key, r, lo, hi, r.steps_per_agent(), models=per_model)
             self.next_key += 1
             res.accepted.append((item.key, r))
             self._admit(item, now)
@@ -458,6 +531,10 @@ class ReplayBuffer:
 
     def _too_stale(self, lag: int) -> bool:
         return self.max_policy_lag is not None and lag > self.max_policy_lag
+
+    def _lag(self, models: Mapping[str, tuple[int, int]]) -> int:
+        """Versions the oldest step lags behind its own base, the largest over the bases (0 for none)."""
+        return max((max(0, self.current_version_of(m) - lo) for m, (lo, _) in models.items()), default=0)
 
     def _admit(self, item: _Item, now: float) -> None:
         if self.group_size == 1:
@@ -513,20 +590,32 @@ class ReplayBuffer:
     # --- sample -------------------------------------------------------------------------------
 
     def _eligible_items(self, g: _Group, view: str) -> list[_Item]:
+        """The items of ``g`` the view may still take: one of its agents acted, not used up."""
         m = self.max_times_sampled
-        return [
-            it
-            for it in g.items
-            if (m == 0 or it.sampled.get(view, 0) < m) and (view == WHOLE or view in it.steps_per_agent)
-        ]
+        agents = view_agents(view)
+        out = []
+        for it in g.items:
+            n = it.sampled.get(view, 0)
+            if n == CONSUMED or (m and n >= m):
+                continue
+            if view == WHOLE or not agents.isdisjoint(it.steps_per_agent):
+                out.append(it)
+        return out
+
+    def _used_up(self, n: int) -> bool:
+        return n == CONSUMED or (self.max_times_sampled > 0 and n >= self.max_times_sampled)
 
     def _exhausted(self, it: _Item) -> bool:
-        m = self.max_times_sampled
-        if m == 0:
-            return False
-        if it.sampled.get(WHOLE, 0) >= m:
+        """The whole view used it up, or every agent that acted in it is in a view that did."""
+        if self._used_up(it.sampled.get(WHOLE, 0)):
             return True
-        return bool(it.steps_per_agent) and all(it.sampled.get(a, 0) >= m for a in it.steps_per_agent)
+        if not it.steps_per_agent:
+            return False
+        covered: set[str] = set()
+        for view, n in it.sampled.items():
+            if view != WHOLE and self._used_up(n):
+                covered |= view_agents(view)
+        return covered.issuperset(it.steps_per_agent)
 
     def _evict_stale(self, min_policy_version: int) -> None:
         drop_lagging = self.stale_action == "drop" and self.max_policy_lag is not None
@@ -535,10 +624,36 @@ class ReplayBuffer:
             if lo < min_policy_version or (drop_lagging and self._too_stale(self.current_version - lo)):
                 self._evict(serial, "stale")
 
-    def _stale_weight(self, it: _Item) -> float:
+    def _give_up_stale(self, view: str, model_id: str, min_policy_version: int) -> None:
+        """A request with ``model_id``: groups whose oldest step on that base is older than
+        ``min_policy_version`` or (``drop``) lags too far are given up by this view alone: marked
+        ``CONSUMED`` for it and counted as stale evictions; other views keep them."""
+        drop_lagging = self.stale_action == "drop" and self.max_policy_lag is not None
+        current = self.current_version_of(model_id)
+        n = 0
+        for g in list(self._groups.values()):
+            items = self._eligible_items(g, view)
+            lo = min((it.models[model_id][0] for it in items if model_id in it.models), default=None)
+            if lo is None:
+                continue
+            if lo < min_policy_version or (drop_lagging and self._too_stale(current - lo)):
+                for it in items:
+                    it.sampled[view] = CONSUMED
+                n += len(items)
+                self._drop_exhausted(g)
+        if n:
+            self.evicted["stale"] += n
+            EVICTED.labels(reason="stale").inc(n)
+
+    def _stale_weight(self, it: _Item, model_id: str | None = None) -> float:
         if self.stale_action != "downweight" or self.max_policy_lag is None:
             return 1.0
-        over = self.current_version - it.min_version - self.max_policy_lag
+        if model_id is None:
+            over = self.current_version - it.min_version - self.max_policy_lag
+        elif model_id in it.models:
+            over = self.current_version_of(model_id) - it.models[model_id][0] - self.max_policy_lag
+        else:
+            return 1.0
         return self.stale_decay ** max(0, over)
 
     def _order(self, candidates: list[_Group]) -> tuple[Iterable[int], np.ndarray | None]:
@@ -560,16 +675,28 @@ class ReplayBuffer:
         *,
         rank: int = 0,
         agent_id: str | None = None,
+        agent_ids: Iterable[str] | None = None,
+        model_id: str | None = None,
         min_policy_version: int = -1,
         trusted: bool = False,
     ) -> Sample | Refused:
         """Hand out whole groups, about ``batch_size`` trajectories (see the module docstring).
 
-        An untrusted ``min_policy_version`` above ``version_ceiling()`` raises ``VersionOutOfRange``
-        (counted) before anything changes; ``trusted`` (a learner authenticated by its key) skips
+        ``agent_ids`` (or the one ``agent_id``) picks the view: the groups' items in which any of
+        them acted; None: whole trajectories. ``model_id`` is the base whose versions
+        ``min_policy_version`` counts in and whose staleness alone is judged (a base no data named
+        yet is added only by a ``trusted`` hint); None: every base's, against
+        ``current_version``. A malformed agent list raises ``InvalidView``, an untrusted
+        ``min_policy_version`` above ``version_ceiling()`` raises ``VersionOutOfRange``, both
+        counted, before anything changes; ``trusted`` (a learner authenticated by its key) skips
         the window, so its hint is the announcement the window is measured from."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        try:
+            view = view_name(agent_id, agent_ids)
+        except InvalidView:
+            self.count_rejected(InvalidView.reason)
+            raise
         if not trusted and min_policy_version > self.version_ceiling():
             self.count_rejected(VersionOutOfRange.reason)
             raise VersionOutOfRange(
@@ -577,23 +704,34 @@ class ReplayBuffer:
                 f"above the current version {self.current_version}"
             )
         if min_policy_version >= 0 and self.max_policy_lag is not None:
-            self.current_version = max(self.current_version, min_policy_version + self.max_policy_lag)
-        self._evict_stale(min_policy_version)
+            hint = min_policy_version + self.max_policy_lag
+            self.current_version = max(self.current_version, hint)
+            if model_id is not None:
+                # only data or a trusted learner adds a base: untrusted names cannot grow the table
+                if trusted or model_id in self.current_versions:
+                    self.current_versions[model_id] = max(self.current_version_of(model_id), hint)
+            else:
+                self._hint_version = max(self._hint_version, hint)
+                self.current_versions = {m: max(v, hint) for m, v in self.current_versions.items()}
+        if model_id is None:
+            self._evict_stale(min_policy_version)
+        else:
+            self._give_up_stale(view, model_id, min_policy_version)
         if self._size < self.limiter.min_size:
             return Refused(
                 "not_enough_data", f"{self._size} trajectories held, min_size {self.limiter.min_size}"
             )
-        view = agent_id or WHOLE
-        rnd = self._rounds.get(rank, 0)
+        rnd = self._rounds.get(view, {}).get(rank, 0)
         candidates: list[tuple[_Group, list[_Item]]] = []
         for g in self._groups.values():
-            if g.taken.get(rnd, rank) != rank:
+            if g.taken.get(view, {}).get(rnd, rank) != rank:
                 continue
             items = self._eligible_items(g, view)
             if items:
                 candidates.append((g, items))
         if not candidates:
-            return Refused("not_enough_data", f"no group left for rank {rank} (view {view or 'whole'!r})")
+            shown = view.replace(VIEW_SEP, ",") or "whole"
+            return Refused("not_enough_data", f"no group left for rank {rank} (view {shown!r})")
         order, probs = self._order([g for g, _ in candidates])
         chosen: list[int] = []
         total = 0
@@ -614,16 +752,16 @@ class ReplayBuffer:
         out = Sample([], [], [])
         for i in chosen:
             g, items = candidates[i]
-            g.taken[rnd] = rank
+            g.taken.setdefault(view, {})[rnd] = rank
             for it in items:
                 it.sampled[view] = it.sampled.get(view, 0) + 1
                 out.rows.append(it.row)
                 out.keys.append(it.key)
-                w = self._stale_weight(it) * (float(iw[i]) if probs is not None else 1.0)
+                w = self._stale_weight(it, model_id) * (float(iw[i]) if probs is not None else 1.0)
                 out.weights.append(w)
             self._drop_exhausted(g)
-        self._rounds[rank] = rnd + 1
-        self._prune_taken()
+        self._rounds.setdefault(view, {})[rank] = rnd + 1
+        self._prune_taken(view)
         self.sampled += total
         self.limiter.samples += total
         SAMPLED.inc(total)
@@ -641,12 +779,17 @@ class ReplayBuffer:
         if not keep:
             del self._groups[g.serial]
 
-    def _prune_taken(self) -> None:
+    def _prune_taken(self, view: str) -> None:
         # Not min over the ranks seen: a rank that has not asked yet is still in round 0.
-        oldest = max(self._rounds.values()) - ROUND_WINDOW
+        oldest = max(self._rounds[view].values()) - ROUND_WINDOW
         for g in self._groups.values():
-            for r in [r for r in g.taken if r < oldest]:
-                del g.taken[r]
+            taken = g.taken.get(view)
+            if not taken:
+                continue
+            for r in [r for r in taken if r < oldest]:
+                del taken[r]
+            if not taken:
+                del g.taken[view]
 
     # --- state --------------------------------------------------------------------------------
 
@@ -656,10 +799,15 @@ class ReplayBuffer:
         def items(g: _Group) -> list[list[Any]]:
             return [[it.key, it.sampled] for it in g.items]
 
+        def taken(g: _Group, view: str) -> dict[int, int]:
+            return g.taken.get(view, {})
+
         return {
             "format": STATE_FORMAT,
             "next_key": self.next_key,
             "current_version": self.current_version,
+            "current_versions": dict(self.current_versions),
+            "hint_version": self._hint_version,
             "serial": self._serial,
             "counters": {
                 "inserted": self.inserted,
@@ -670,10 +818,20 @@ class ReplayBuffer:
                 "evicted": dict(self.evicted),
             },
             "limiter": {"inserts": self.limiter.inserts, "samples": self.limiter.samples},
-            "rounds": {str(r): n for r, n in self._rounds.items()},
+            # the whole view's rounds and takes under the keys older states used; other views apart
+            "rounds": {str(r): n for r, n in self._rounds.get(WHOLE, {}).items()},
+            "view_rounds": {
+                v: {str(r): n for r, n in rounds.items()} for v, rounds in self._rounds.items() if v != WHOLE
+            },
             "seen": {inc: [s.low, sorted(s.above)] for inc, s in self._seen.items()},
             "groups": [
-                {"serial": serial, "group_id": g.group_id, "items": items(g), "taken": g.taken}
+                {
+                    "serial": serial,
+                    "group_id": g.group_id,
+                    "items": items(g),
+                    "taken": taken(g, WHOLE),
+                    "view_taken": {v: t for v, t in g.taken.items() if v != WHOLE},
+                }
                 for serial, g in self._groups.items()
             ],
             "pending": [
@@ -686,7 +844,9 @@ class ReplayBuffer:
     def load_state_dict(
         self, state: Mapping[str, Any], trajectories: Mapping[int, TrajectoryRow], now: float
     ) -> None:
-        """Restore ``state_dict`` output; ``trajectories`` maps every key it holds to its row."""
+        """Restore ``state_dict`` output; ``trajectories`` maps every key it holds to its row. A
+        state from before per-base versions (no ``current_versions``) derives them from the held
+        items; the rounds and takes it has become the whole view's."""
         if state.get("format") != STATE_FORMAT:
             raise CorruptStore(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
 
@@ -697,8 +857,12 @@ class ReplayBuffer:
                 if t is None:
                     raise CorruptStore(f"checkpoint holds key {key} but no segment row has it")
                 lo, hi = t.versions(-1)
-                out.append(_Item(int(key), t, lo, hi, t.steps_per_agent(), dict(sampled)))
+                item = _Item(int(key), t, lo, hi, t.steps_per_agent(), dict(sampled), t.versions_per_model())
+                out.append(item)
             return out
+
+        def rounds(entry: Mapping[str, Any]) -> dict[int, int]:
+            return {int(r): int(n) for r, n in entry.items()}
 
         c = state["counters"]
         self.next_key = int(state["next_key"])
@@ -709,7 +873,8 @@ class ReplayBuffer:
         self.rejected, self.evicted = Tally(c["rejected"]), Tally(c["evicted"])
         self.limiter.inserts = int(state["limiter"]["inserts"])
         self.limiter.samples = int(state["limiter"]["samples"])
-        self._rounds = {int(r): int(n) for r, n in state["rounds"].items()}
+        self._rounds = {WHOLE: rounds(state["rounds"])} if state["rounds"] else {}
+        self._rounds.update({v: rounds(r) for v, r in state.get("view_rounds", {}).items() if r})
         self._seen = {inc: _SeqSet(int(low), above) for inc, (low, above) in state["seen"].items()}
         self._groups.clear()
         self._pending.clear()
@@ -717,7 +882,8 @@ class ReplayBuffer:
         self._size = 0
         for entry in state["groups"]:
             g = _Group(entry["group_id"], rebuild(entry["items"]), 0.0, serial=int(entry["serial"]))
-            g.taken = {int(r): int(k) for r, k in entry["taken"].items()}
+            taken = {WHOLE: entry["taken"], **entry.get("view_taken", {})}
+            g.taken = {v: rounds(t) for v, t in taken.items() if t}
             rewards = np.array([it.row.reward for it in g.items], dtype=np.float64)
             g.priority = (float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS) ** self.alpha
             self._groups[g.serial] = g
@@ -729,6 +895,15 @@ class ReplayBuffer:
                 entry["group_id"], rebuild(entry["items"]), now - float(entry["age_s"])
             )
         self._rng.bit_generator.state = state["rng"]
+        self._hint_version = int(state.get("hint_version", -1))
+        if "current_versions" in state:
+            self.current_versions = {str(m): int(v) for m, v in state["current_versions"].items()}
+        else:  # written before per-base versions: what the held items show
+            self.current_versions = {}
+            for g in [*self._groups.values(), *self._pending.values()]:
+                for it in g.items:
+                    for m, (_, top) in it.models.items():
+                        self.current_versions[m] = max(self.current_versions.get(m, -1), top)
         BUFFER_SIZE.set(self._size)
 
 

@@ -28,6 +28,9 @@ and message type every ``AUTH_LOG_S``, and the loop keeps serving. Without CURVE
 told apart, so only the Drain/Shutdown rule holds. A frame's policy version, or a sample's
 ``min_policy_version`` from anyone but the CURVE ``learner`` key, more than ``policy_version_window``
 above the current version is refused (``policy_version_out_of_range``), counted, and not stored.
+A ``SampleRequest``'s ``agent_ids`` and ``model_id`` pick a learner group's view and base model
+(docs/architecture.md, "The replay buffer"); an empty ``agent_ids`` list, or ids no step can carry,
+is refused as ``invalid_agent_ids`` and counted.
 CURVE on the data and RPC sockets comes from the ``[transport]`` table of the same config file
 (``teamrl.protocol.config.TransportConfig``: ``curve``, ``curve_dir``).
 
@@ -47,7 +50,15 @@ import sys
 import time
 from typing import Any
 
-from teamrl.learner.buffer import InvalidAgentId, Refused, ReplayBuffer, SegmentStore, VersionOutOfRange
+from teamrl.learner.buffer import (
+    MAX_AGENT_ID_CHARS,
+    InvalidAgentId,
+    InvalidView,
+    Refused,
+    ReplayBuffer,
+    SegmentStore,
+    VersionOutOfRange,
+)
 from teamrl.learner.buffer_config import BufferConfig
 from teamrl.protocol import metrics as wire_metrics
 from teamrl.protocol.codec import decode_batches
@@ -55,6 +66,7 @@ from teamrl.protocol.config import TransportConfig
 from teamrl.protocol.configfile import ConfigError as SharedConfigError
 from teamrl.protocol.configfile import load_section
 from teamrl.protocol.control import (
+    MAX_STATS_MODELS,
     BufferStats,
     BufferStatsRequest,
     Drain,
@@ -222,10 +234,12 @@ class BufferService:
                 req.batch_size,
                 rank=req.rank,
                 agent_id=req.agent_id,
+                agent_ids=req.agent_ids,
+                model_id=req.model_id,
                 min_policy_version=req.min_policy_version,
                 trusted=self._peer_role() == "learner",
             )
-        except VersionOutOfRange as e:
+        except (VersionOutOfRange, InvalidView) as e:  # counted by the buffer; nothing changed
             log.warning("sample request %d refused: %s", req.request_id, e)
             return ErrorReply(request_id=req.request_id, reason=e.reason, message=str(e))
         self.dirty = True  # evictions and version hints change state even when refused
@@ -237,6 +251,10 @@ class BufferService:
 
     def stats(self) -> BufferStats:
         lo, hi = self.buffer.policy_version_range()
+        # model ids are not checked at admission: report those a control message can name
+        versions = sorted(
+            (m, v) for m, v in self.buffer.current_versions.items() if 1 <= len(m) <= MAX_AGENT_ID_CHARS
+        )
         return BufferStats(
             size=self.buffer.size,
             per_agent=self.buffer.per_agent(),
@@ -246,6 +264,7 @@ class BufferService:
             evicted=sum(self.buffer.evicted.values()),
             min_policy_version=lo,
             max_policy_version=hi,
+            current_versions=dict(versions[:MAX_STATS_MODELS]),
         )
 
     # --- data ---------------------------------------------------------------------------------

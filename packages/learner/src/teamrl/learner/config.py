@@ -11,8 +11,10 @@ engine: the settings' fields are named after this config's fields.
 Per-agent overrides are keyed by *adapter name*: agents that share an adapter share its parameters,
 so they necessarily share its optimiser settings too (the rollout workflow defines the
 agent -> (base model, adapter) mapping). A learner process serves exactly one base model
-(``base_model``); heterogeneous teams run one learner group per base model, each with its own
-``adapters`` list and ``--publish`` endpoint.
+(``base_model``); a team of different models runs one learner group per base model (README, "Teams
+of different models"), each with its own ``adapters``, ``--publish`` endpoint and version sequence:
+its table is ``[learner]`` with ``[groups.<model id>]`` merged over it (``--group``), and ``group``
+/ ``group_agents`` make it sample only its agents' steps and judge staleness by its own versions.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from teamrl.learner.settings import AdapterSettings, EngineSettings
-from teamrl.protocol.configfile import ConfigError, load_section
+from teamrl.protocol.configfile import (
+    ConfigError,
+    apply_overrides,
+    format_validation_error,
+    load_section,
+    load_toml,
+)
 
 # the engine settings this config holds under other names: the LoRA shape (``lora``, ``agents``)
 _LORA_SETTINGS = ("lora_rank", "lora_ranks", "lora_alpha", "lora_dropout", "target_modules")
@@ -79,6 +87,15 @@ class LearnerConfig(_Strict):
         "`teamrl workflow plan` prints them for a workflow",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
+    group: str = Field(
+        "",
+        description="the base model id of this learner group in a team of different models; empty = "
+        "the whole team runs on one base",
+    )
+    group_agents: list[str] = Field(
+        default_factory=list,
+        description="the agents (on this group's base) whose steps it samples; set together with group",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="model dtype; auto = bfloat16 on a CUDA device, float32 on CPU"
     )
@@ -254,6 +271,11 @@ class LearnerConfig(_Strict):
         unknown = sorted(set(self.agents) - set(self.adapters))
         if unknown:
             raise ValueError(f"agents overrides name unknown adapters {unknown}; known: {self.adapters}")
+        if bool(self.group) != bool(self.group_agents):
+            raise ValueError(
+                f"group = {self.group!r} and group_agents = {self.group_agents}: a learner group names "
+                "both its base model and the agents it samples (or neither)"
+            )
         if self.tis_mode == "mask" and self.tis_cap is None:
             raise ValueError("tis_mode='mask' needs a tis_cap")
         if not self.train_weights and not self.profile_interval:
@@ -305,8 +327,38 @@ class LearnerConfig(_Strict):
         }
 
 
-def load_learner_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:
+def load_learner_config(
+    path: str | Path | None, overrides: list[str] | None = None, group: str = ""
+) -> LearnerConfig:
     """Read ``path`` (TOML; its ``[learner]`` table if present, else the whole file) plus ``key=value``
     overrides (TOML literals: ``lr=3e-4``, ``adapters=["a","b"]``; dotted keys reach nested tables:
-    ``lora.rank=16``). Raises :class:`LearnerConfigError` naming each bad field."""
-    return load_section(LearnerConfig, path, "learner", overrides, whole_file=True, error=LearnerConfigError)
+    ``lora.rank=16``). ``group``: the ``[groups.<group>]`` table merged over ``[learner]`` first (a
+    learner group of a team of different models). Raises :class:`LearnerConfigError` naming each
+    bad field."""
+    if not group:
+        return load_section(
+            LearnerConfig, path, "learner", overrides, whole_file=True, error=LearnerConfigError
+        )
+    if path is None:
+        raise LearnerConfigError(f"--group {group}: needs --config with a [groups.{group}] table")
+    raw = load_toml(path, LearnerConfigError)
+    groups = raw.get("groups", {})
+    if group not in groups:
+        raise LearnerConfigError(f"{path}: no [groups.{group}] table (groups there: {sorted(groups)})")
+    data = _merged(raw.get("learner", {}), groups[group])
+    apply_overrides(data, list(overrides or []), LearnerConfigError)
+    if data.get("group", group) != group:
+        raise LearnerConfigError(f"{path} [groups.{group}]: group = {data['group']!r}, not {group!r}")
+    try:
+        return LearnerConfig.model_validate(data)
+    except ValidationError as err:
+        raise LearnerConfigError(
+            format_validation_error(err, f"{path} [groups.{group}]", "learner")
+        ) from None
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -59,19 +59,46 @@ def build_tokenizer(out: Path) -> None:
     )
 
 
-def build(out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, force: bool = False) -> Path:
+ARCHS = ("qwen2", "llama")  # the embedded model's architecture families (llama: `--kind llama`)
+
+
+def default_llama_model_dir() -> Path:
+    """``$TEAMRL_CACHE/models/embedded-llama-v<N>``: the same task and tokenizer on the Llama family."""
+    return default_model_dir().with_name(f"embedded-llama-v{BUILD_VERSION}")
+
+
+def build_llama(
+    out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, force: bool = False
+) -> Path:
+    """The embedded model's recipe on a Llama-architecture network (README, "Teams of different
+    models"): a second base model of another family, to put next to the Qwen2 one in one team."""
+    return build(out or default_llama_model_dir(), steps=steps, seed=seed, force=force, arch="llama")
+
+
+def build(
+    out: Path | None = None,
+    steps: int = DEFAULT_STEPS,
+    seed: int = 0,
+    force: bool = False,
+    arch: str = "qwen2",
+) -> Path:
     """Build the embedded model into ``out`` (default: the cache folder) and return the folder.
 
-    Skips the work when a complete build with the same parameters is already there.
+    ``arch``: ``qwen2`` (the default model) or ``llama`` (same sizes, Llama family). Skips the work
+    when a complete build with the same parameters is already there.
     """
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     from teamrl.rewards import addition
 
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     out = Path(out) if out else default_model_dir()
     meta_path = out / "teamrl_model.json"
     params = {"build_version": BUILD_VERSION, "steps": steps, "seed": seed}
+    if arch != "qwen2":  # the default build's params (and so its cache key) stay as they were
+        params["arch"] = arch
     if meta_path.exists() and not force:
         meta = json.loads(meta_path.read_text())
         if meta.get("params") == params:
@@ -82,7 +109,8 @@ def build(out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, fo
     tok = PreTrainedTokenizerFast.from_pretrained(str(tmp))
     vocab_size = 32  # >= len(vocab); a round size keeps kernels happy
     assert len(tok) <= vocab_size
-    cfg = Qwen2Config(
+    config_cls, model_cls = _architecture(arch)
+    cfg = config_cls(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
@@ -98,7 +126,7 @@ def build(out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, fo
     )
     torch.manual_seed(seed)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    model = Qwen2ForCausalLM(cfg)
+    model = model_cls(cfg)
     train, held_out = addition.split_tasks(seed=0)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -140,6 +168,16 @@ def build(out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, fo
         flush=True,
     )
     return out
+
+
+def _architecture(arch: str) -> tuple[type, type]:
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaConfig, LlamaForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2Config, Qwen2ForCausalLM
 
 
 def _pack(tok, batch: list[tuple[str, str]]):

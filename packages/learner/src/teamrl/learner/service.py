@@ -197,11 +197,13 @@ class LearnerService:
             if time.monotonic() - t0 > self.sample_timeout_s:
                 raise TimeoutError(f"no data from the buffer for {self.sample_timeout_s:.0f} s")
             self._request_id += 1
-            req = SampleRequest(
+            req = SampleRequest(  # a learner group: its own agents' steps, staleness by its own versions
                 request_id=self._request_id,
                 batch_size=self.cfg.batch_size - n_got,
                 rank=self.rank,
                 min_policy_version=min_version,
+                agent_ids=list(self.cfg.group_agents) or None,
+                model_id=self.cfg.group or None,
             )
             try:
                 reply = self.rpc.call(req)
@@ -421,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights PUB endpoint to bind; the 'latest' RPC endpoint binds the next port (default %(default)s)",
     )
     p.add_argument("--run-dir", default="runs/learner", help="metrics.jsonl, adapters/, checkpoints/")
+    p.add_argument(
+        "--group",
+        metavar="MODEL_ID",
+        default="",
+        help="a learner group of a team of different models: [learner] with [groups.MODEL_ID] over it",
+    )
     p.add_argument("--model", default=None, help="model folder (default: [learner] base_model or embedded)")
     p.add_argument(
         "--device",
@@ -461,7 +469,7 @@ def load_transport(path: str | None) -> TransportConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_learner_config(args.config, args.set)
+        cfg = load_learner_config(args.config, args.set, group=args.group)
         transport = load_transport(args.config)
     except LearnerConfigError as e:
         print(f"teamrl learner: {e}", file=sys.stderr)

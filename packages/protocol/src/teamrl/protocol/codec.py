@@ -592,6 +592,7 @@ class TrajectoryBatch:
             self.max_version[has] = np.maximum.reduceat(versions, starts)
         self.has_steps = has
         self._objects: list[GraphTrajectory] | None = None
+        self._models: tuple[np.ndarray, list[str]] | None = None  # step_strings("model_id"), on demand
 
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[GraphTrajectory]) -> TrajectoryBatch:
@@ -612,6 +613,23 @@ class TrajectoryBatch:
         out: dict[str, int] = {}
         for agent in self.agent_id[a:b]:
             out[agent] = out.get(agent, 0) + 1
+        return out
+
+    def versions_per_model(self, i: int) -> dict[str, tuple[int, int]]:
+        """Row ``i``'s (min, max) step ``policy_version`` per step ``model_id`` (base model); {}
+        without steps. From the columns: the model column is dictionary-encoded once per batch."""
+        a, b = int(self.step_offsets[i]), int(self.step_offsets[i + 1])
+        if a == b:
+            return {}
+        if self._models is None:
+            self._models = self.step_strings("model_id")
+        codes, labels = self._models
+        c = codes[a:b]
+        v = self.step_numpy("policy_version")[a:b]
+        out: dict[str, tuple[int, int]] = {}
+        for k in np.unique(c):
+            sel = v[c == k]
+            out[labels[int(k)]] = (int(sel.min()), int(sel.max()))
         return out
 
     def step_numpy(self, name: str) -> np.ndarray:
@@ -666,6 +684,10 @@ class TrajectoryRow:
 
     def steps_per_agent(self) -> dict[str, int]:
         return self.batch.steps_per_agent(self.index)
+
+    def versions_per_model(self) -> dict[str, tuple[int, int]]:
+        """(min, max) policy version of the steps per base model id; {} without steps."""
+        return self.batch.versions_per_model(self.index)
 
     def trajectory(self) -> GraphTrajectory:
         return self.batch.trajectory(self.index)

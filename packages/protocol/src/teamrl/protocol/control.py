@@ -46,6 +46,7 @@ MAX_MAP_LEN = 4096
 MAX_CONTAINERS = 256
 MAX_ITEMS = 4 * 65_536
 MAX_CAPABILITIES = 64
+MAX_STATS_MODELS = 256  # BufferStats.current_versions entries, at most
 
 Id = Annotated[str, Field(min_length=1, max_length=256)]
 NonNeg = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -219,17 +220,37 @@ class BufferStats(_Message):
     evicted: NonNeg = 0
     min_policy_version: int = -1  # -1: empty
     max_policy_version: int = -1
+    # base model id -> its current adapter version (each base's versions advance on their own)
+    current_versions: Annotated[dict[Id, int], Field(max_length=MAX_STATS_MODELS)] = {}
+
+
+MAX_SAMPLE_AGENTS = 256  # agent ids one SampleRequest may name (one learner group's agents)
 
 
 class SampleRequest(_Message):
-    """Learner rank -> replay buffer (RPC): give me a batch (of one agent's steps, or of any)."""
+    """Learner rank -> replay buffer (RPC): give me a batch (of some agents' steps, or of any).
+
+    A learner group that trains the agents of one base model names them in ``agent_ids`` (its
+    *view*: the episodes of each group in which any of them acted; docs/architecture.md, "The
+    replay buffer") and that base in ``model_id``, whose version sequence ``min_policy_version`` counts in
+    and whose staleness applies. ``agent_id`` is the older one-agent form (= ``agent_ids=[agent_id]``);
+    setting both is an error.
+    """
 
     type: Literal["sample_request"] = "sample_request"
     request_id: Seq
-    agent_id: Id | None = None  # None: whole trajectories for every agent
+    agent_id: Id | None = None  # None: whole trajectories for every agent (unless agent_ids)
+    agent_ids: Annotated[list[Id], Field(max_length=MAX_SAMPLE_AGENTS)] | None = None  # None: whole
+    model_id: Id | None = None  # the base model min_policy_version refers to; None: the highest version
     batch_size: Annotated[int, Field(ge=1, le=65_536)]
     rank: NonNeg  # data-parallel rank, so the buffer can shard without duplicates
     min_policy_version: int = -1  # refuse older samples (staleness bound); -1: any
+
+    @model_validator(mode="after")
+    def _one_agent_form(self) -> SampleRequest:
+        if self.agent_id is not None and self.agent_ids is not None:
+            raise ValueError("set agent_id or agent_ids, not both")
+        return self
 
 
 class SampleReply(_Message):

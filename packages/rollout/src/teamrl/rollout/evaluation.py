@@ -6,6 +6,12 @@ version on held-out tasks every ``eval_interval`` versions and on the run's last
 JSON line to ``eval_file``, and writes one finished group per new version to ``samples_dir`` (what
 ``teamrl show`` reads). Other replicas write neither. docs/architecture.md §3 ("Rollout services")
 describes the service around it.
+
+With several base models (one engine and one learner group each, docs/architecture.md §3) the
+service passes the lowest live version over the bases as ``v`` and each base's version as
+``versions``; a row then reads ``{"version": <lowest>, "step": <lowest>, "versions": {model_id: v},
+...}`` (single-base rows have no ``versions``), and "final" means every base's learner announced its
+final version.
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ class Evaluator:
         self._evaluated: set[int] = set()
         self._sampled_versions: set[int] = set()
 
-    async def maybe_evaluate(self, v: int, final: bool = False) -> None:
-        """Evaluate version ``v`` (the live one) when it is the first one at or past the next
-        multiple of ``eval_interval`` (versions can be skipped when the learner outpaces loading),
-        or when the learner announced it as the run's last."""
+    async def maybe_evaluate(
+        self, v: int, final: bool = False, versions: dict[str, int] | None = None
+    ) -> None:
+        """Evaluate version ``v`` (the live one; several bases: the lowest) when it is the first one
+        at or past the next multiple of ``eval_interval`` (versions can be skipped when the learner
+        outpaces loading), or when the learner announced it as the run's last. ``versions``: each
+        base's live version, written to the row when there is more than one base."""
         if self.eval_file is None or self.eval_interval == 0:
             return
         k = self.eval_interval
@@ -48,10 +57,15 @@ class Evaluator:
         t0 = time.time()
         res = await self.runner.evaluate(self.held_out)
         t_run = float(os.environ.get("TEAMRL_RUN_T0", t0))
-        row = {"version": v, "step": v, "time": t0 - t_run, "eval_seconds": time.time() - t0, **res}
+        row: dict[str, Any] = {"version": v, "step": v}
+        if versions is not None and len(versions) > 1:
+            row["versions"] = dict(versions)
+        row.update(time=t0 - t_run, eval_seconds=time.time() - t0, **res)
         with self.eval_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        log.info("held-out at v%d: %s", v, json.dumps(res))
+        log.info(
+            "held-out at v%d%s: %s", v, f" {row['versions']}" if "versions" in row else "", json.dumps(res)
+        )
 
     def maybe_write_sample(self, trajs: list[Any]) -> None:
         """Write a finished group as the sample of its version, when that version has none yet."""

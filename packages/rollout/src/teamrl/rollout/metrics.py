@@ -1,7 +1,8 @@
 """Prometheus metrics of a rollout service (``teamrl_rollout_*``), served on /metrics.
 
 The dashboard and the autoscalers read these names (deploy/monitoring); tests/unit/deploy checks
-that each name they use is defined here. Per-agent series carry the label ``agent``.
+that each name they use is defined here. Per-agent series carry the label ``agent`` (the adapter
+versions: the adapter's name); the version lag carries ``model``, the base model it is of.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ TOKENS = Counter("teamrl_rollout_tokens", "Response tokens generated", ["agent"]
 REWARD = Summary("teamrl_rollout_reward", "Step reward of each agent step", ["agent"])
 THROUGHPUT = Gauge("teamrl_rollout_tokens_per_second", "Generated tokens per second over the last interval")
 POLICY_VERSION = Gauge("teamrl_rollout_policy_version", "Adapter version in use for new requests", ["agent"])
-VERSION_LAG = Gauge("teamrl_rollout_version_lag", "Versions between the newest announced and the one in use")
+# Labelled by base model (one engine and one learner group each, docs/architecture.md §3); no
+# dashboard or alert in deploy/monitoring reads this series.
+VERSION_LAG = Gauge(
+    "teamrl_rollout_version_lag", "Versions between the newest announced and the one in use", ["model"]
+)
 INFLIGHT = Gauge("teamrl_rollout_inflight_episodes", "Episodes being generated now")
 PUBLISH_QUEUE = Gauge(
     "teamrl_rollout_publish_queue_depth", "Frames waiting to be sent or acknowledged by the buffer"

@@ -5,6 +5,13 @@ shard, the held-out tasks, one episode as a :class:`GraphTrajectory` (through
 :func:`teamrl.rollout.workflow.run_episode`), and a greedy held-out evaluation. ``name_or_toml`` is a
 built-in workflow name (``teamrl.rollout.workflows.names()``) or a workflow TOML file.
 
+``engine`` is one engine, serving the workflow's one base model (:func:`served_model`), or a mapping
+``{model_id: engine}``, one engine per base model of a heterogeneous workflow (docs/architecture.md
+§3, "Rollout services"); each model's tokenizer is read from its engine's model folder. Either way
+``run_episode`` gets ``{model_id: engine}`` and ``{model_id: tokenizer}``, so every agent runs on the
+engine of its own model, and a workflow agent whose model has no engine is refused when the runner
+is built.
+
 Held-out tasks (:func:`teamrl.rollout.team.split_tasks`): the workflow's task set's own held-out split where it has one (``addition`` ->
 ``addition-held-out``), else the last tenth of its tasks, which then are not trained on.
 """
@@ -12,7 +19,7 @@ Held-out tasks (:func:`teamrl.rollout.team.split_tasks`): the workflow's task se
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +30,10 @@ __all__ = [
     "WorkflowRunner",
     "answer_agents",
     "evaluation_metrics",
+    "served_model",
     "shard",
+    "trained_models",
+    "used_models",
     "verifier_agents",
     "workflow_metrics",
 ]
@@ -36,18 +46,15 @@ class WorkflowRunner:
         engine: Any,
         incarnation: str,
         tasks: str = "",
-        model_dir: str | Path | None = None,
+        model_dir: str | Path | Mapping[str, str | Path] | None = None,
         reward_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """``engine``: one engine, or ``{model_id: engine}``; ``model_dir``: the tokenizer's folder
+        (one, or one per model id) when not the engines' own ``cfg.model``."""
         from teamrl.rewards.tokenizer import tokenizer_for
         from teamrl.rollout.workflow import Workflow, WorkflowError
 
         wf = load(name)
-        if len(wf.models) > 1:
-            raise WorkflowError(
-                f"workflow {wf.name!r} maps agents to {len(wf.models)} base models; a rollout service "
-                "serves one (run one service per base model)"
-            )
         self.name = wf.name
         self.greedy = wf.with_sampling(temperature=0.0)  # evaluation: the unmodified reward
         if reward_kwargs:  # training reward only, e.g. {"role_scale": {"verifier": 10.0}}
@@ -57,12 +64,17 @@ class WorkflowRunner:
             data["reward"]["kwargs"] = {**data["reward"].get("kwargs", {}), **reward_kwargs}
             wf = Workflow.from_dict(data)
         self.workflow = wf
-        self.engine = engine
+        self.engine = engine  # as given: one engine, or the mapping
+        self.engines = _engines_by_model(wf, engine)
         self.incarnation = incarnation
-        folder = model_dir or getattr(getattr(engine, "cfg", None), "model", None)
-        if folder is None:
-            raise WorkflowError("no model folder to take the tokenizer from")
-        self.tokenizer = tokenizer_for(folder)
+        self.tokenizers: dict[str, Any] = {}
+        for model_id, eng in self.engines.items():
+            folder = model_dir.get(model_id) if isinstance(model_dir, Mapping) else model_dir
+            folder = folder or getattr(getattr(eng, "cfg", None), "model", None)
+            if not folder:
+                raise WorkflowError(f"no model folder to take model {model_id!r}'s tokenizer from")
+            self.tokenizers[model_id] = tokenizer_for(folder)
+        self.tokenizer = next(iter(self.tokenizers.values()))  # the first model's (one model: its only)
         self.train, self.held = split_tasks(wf, tasks or None)
         self._seq = 0
         self.profile_version = -1  # -1: the workflow's own profiles; else the LangMARL version applied
@@ -70,11 +82,11 @@ class WorkflowRunner:
     def set_profiles(self, version: int, profiles: dict[str, str]) -> None:
         """Use these agent profiles (system prompts) from now on; episodes in flight keep theirs.
 
-        Raises WorkflowError (an unknown agent) or TokenizerError (text the model's tokenizer cannot
-        encode, which would fail every later episode) and keeps the profiles in use."""
+        Raises WorkflowError (an unknown agent) or TokenizerError (text the agent's model's tokenizer
+        cannot encode, which would fail every later episode) and keeps the profiles in use."""
         workflow = self.workflow.with_profiles(profiles)  # unknown agents first
-        for text in profiles.values():
-            self.tokenizer.encode(text + "\n\n", add_special=False)
+        for agent, text in profiles.items():
+            self.tokenizers[workflow.agent(agent).model].encode(text + "\n\n", add_special=False)
         self.workflow, self.greedy = workflow, self.greedy.with_profiles(profiles)
         self.profile_version = version
 
@@ -92,8 +104,8 @@ class WorkflowRunner:
         return await run_episode(
             self.greedy if greedy else self.workflow,
             task,
-            self.engine,
-            tokenizers=self.tokenizer,
+            self.engines,
+            tokenizers=self.tokenizers,
             seed=seed,
             incarnation=self.incarnation,
             seq=self._seq - 1,
@@ -107,6 +119,61 @@ class WorkflowRunner:
             *[self.episode(t, 0, group_id=f"eval-{i}", greedy=True) for i, t in enumerate(tasks)]
         )
         return workflow_metrics(trajs, self.workflow)
+
+
+def used_models(wf: Any) -> list[str]:
+    """The workflow's base models that generate: each agent's, and the credit judge's (rule
+    ``judge``), in ``[models]`` order."""
+    names = {a.model for a in wf.agents}
+    if wf.credit.rule == "judge" and wf.credit.judge_model:
+        names.add(wf.credit.judge_model)
+    return [m for m in wf.models if m in names]
+
+
+def trained_models(wf: Any) -> list[str]:
+    """The base models of the agents that have an adapter (one learner group each), in ``[models]``
+    order."""
+    names = {a.model for a in wf.agents if a.adapter}
+    return [m for m in wf.models if m in names]
+
+
+def served_model(wf: Any) -> str | None:
+    """The model id one engine serves for ``wf``: its trained agents' model when they are on one,
+    else its only generating model; None when that is ambiguous (one engine per model is needed)."""
+    trained = trained_models(wf)
+    if len(trained) == 1:
+        return trained[0]
+    used = used_models(wf)
+    return used[0] if not trained and len(used) == 1 else None
+
+
+def _engines_by_model(wf: Any, engine: Any) -> dict[str, Any]:
+    """``{model_id: engine}`` for ``wf``: the mapping as given, or one engine keyed by
+    :func:`served_model`. Raises WorkflowError naming an agent whose model has no engine."""
+    from teamrl.rollout.workflow import WorkflowError
+
+    if isinstance(engine, Mapping):
+        engines = dict(engine)
+    else:
+        served = served_model(wf)
+        engines = {served: engine} if served is not None else {}
+    for a in wf.agents:
+        if a.model not in engines:
+            raise WorkflowError(
+                f"workflow {wf.name!r}: agent {a.id!r} runs on model {a.model!r}, which has no engine "
+                + (
+                    f"(engines: {sorted(engines)})"
+                    if isinstance(engine, Mapping) or engines
+                    else f"(one engine given for models {used_models(wf)}: give {{model_id: engine}})"
+                ),
+                agent=a.id,
+            )
+    if wf.credit.rule == "judge" and wf.credit.judge_model and wf.credit.judge_model not in engines:
+        raise WorkflowError(
+            f"workflow {wf.name!r}: the credit judge runs on model {wf.credit.judge_model!r}, which has "
+            f"no engine (engines: {sorted(engines)})"
+        )
+    return engines
 
 
 def workflow_metrics(trajs: Sequence[Any], wf: Any) -> dict[str, float]:

@@ -22,6 +22,22 @@ asyncio loop plus one sender thread::
 
 HTTP on ``--metrics-port``: /metrics (Prometheus), /healthz (the loop is alive), /readyz (a policy is
 being served, the engine is up and the service is not draining).
+
+Several base models (docs/architecture.md §3, "Rollout services"): a workflow whose agents run on
+different base models (its ``[models]``) is served with one vLLM engine per base, each named in
+``[rollout.models.<model id>]`` (folder, LoRA rank and targets, start version, weights endpoint) and
+each following its own learner group's weights endpoint (``models.<id>.weights`` or, repeatable,
+``--weights MODEL_ID=ENDPOINT``)::
+
+    teamrl rollout --config rollout.toml --weights planner-model=tcp://learner-planner:5557 \
+                   --weights solver-model=tcp://learner-solver:5557
+
+An episode routes each agent to its base's engine, and each step records the version of its own
+base's adapters. Held-out evaluations use the lowest live version over the bases (and list each);
+LangMARL profile versions are taken from the first base's link only (the group of the first base of
+``[rollout.models]`` runs the profile rounds). Without ``[rollout.models]`` the service runs one
+engine from ``model`` and one ``--weights ENDPOINT``, as before; both cases run through one mapping
+model id -> (engine, weights applier, endpoint, start version) (:func:`resolve_bases`).
 """
 
 from __future__ import annotations
@@ -41,6 +57,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +75,30 @@ log = logging.getLogger("teamrl.rollout")
 
 class RolloutConfigError(ConfigError):
     """The rollout config file or a flag is wrong; the message names the field."""
+
+
+DEFAULT_WEIGHTS = "tcp://127.0.0.1:5557"  # --weights when not given (one base model)
+
+
+class RolloutModel(BaseModel):
+    """One base model of the workflow (``[rollout.models.<model id>]``): its own vLLM engine, which
+    follows its own learner group's adapter versions (docs/architecture.md §3, "Rollout services")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="model folder of this base (must hold config.json)")
+    max_lora_rank: int = Field(8, ge=1, description="largest LoRA rank this base's engine accepts")
+    lora_target_modules: list[str] = Field(
+        default_factory=list,
+        description="modules LoRA applies to on this base (its adapters' targets); empty = vLLM's default",
+    )
+    weights: str = Field(
+        "",
+        description="this base's learner weights PUB endpoint; empty = from `--weights MODEL_ID=ENDPOINT`",
+    )
+    start_version: int = Field(
+        0, ge=0, description="generate only once this base's adapter version is live (a resumed run's)"
+    )
 
 
 class RolloutConfig(BaseModel):
@@ -110,6 +152,168 @@ class RolloutConfig(BaseModel):
     reward_scale: dict[str, float] = Field(
         default_factory=dict, description="multiply a role's training step reward, e.g. {verifier = 10.0}"
     )
+    models: dict[str, RolloutModel] = Field(
+        default_factory=dict,
+        description="one engine per base model of the workflow, by model id (its [models]); empty = one "
+        "engine from model, max_lora_rank, lora_target_modules and start_version (set: those are unused)",
+    )
+
+
+@dataclass(frozen=True)
+class ServedBase:
+    """One base model the service serves: its engine's settings and the learner link it follows."""
+
+    model_id: str  # the workflow's model id (a key of its [models])
+    path: str  # model folder
+    max_lora_rank: int
+    lora_target_modules: tuple[str, ...]
+    weights: str  # learner weights PUB endpoint; "" = not followed (no agent trains on this base)
+    start_version: int
+
+
+def parse_weights_flags(flags: str | Sequence[str] | None) -> tuple[str | None, dict[str, str]]:
+    """``--weights`` values: (one plain endpoint or None, ``{model_id: endpoint}``).
+
+    Each value is ``ENDPOINT`` or ``MODEL_ID=ENDPOINT``; at most one plain endpoint, not mixed with
+    ``MODEL_ID=`` ones, and no model id twice."""
+    if flags is None:
+        return None, {}
+    plain: list[str] = []
+    keyed: dict[str, str] = {}
+    for item in [flags] if isinstance(flags, str) else list(flags):
+        model_id, sep, endpoint = item.partition("=")
+        if not sep or "://" in model_id:
+            plain.append(item)
+            continue
+        if not model_id or not endpoint:
+            raise RolloutConfigError(f"--weights {item!r}: expected ENDPOINT or MODEL_ID=ENDPOINT")
+        if model_id in keyed:
+            raise RolloutConfigError(f"--weights: model {model_id!r} given twice")
+        keyed[model_id] = endpoint
+    if len(plain) > 1 or (plain and keyed):
+        raise RolloutConfigError(
+            f"--weights {' '.join(plain)!s}: give one ENDPOINT (one base model), or one "
+            "MODEL_ID=ENDPOINT per base model"
+        )
+    return (plain[0] if plain else None), keyed
+
+
+def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None) -> dict[str, ServedBase]:
+    """The base models this service serves, ``{model_id: ServedBase}`` in ``[rollout.models]`` order.
+
+    Without ``models``: one base keyed by the workflow's trained agents' model (or its only one), from
+    ``model``, ``max_lora_rank``, ``lora_target_modules``, ``start_version`` and ``--weights``
+    (default ``tcp://127.0.0.1:5557``). With ``models``: one per entry, the endpoint from
+    ``--weights MODEL_ID=ENDPOINT`` (a flag overrides the file) or ``models.<id>.weights``, and
+    ``model``, ``max_lora_rank``, ``lora_target_modules`` and ``start_version`` are not read. Raises
+    RolloutConfigError, naming the model id and the field, before any engine starts: a model id
+    that is not the workflow's, a workflow model an agent runs on with no engine, a base with
+    trained agents and no weights endpoint, a ``path`` without config.json."""
+    from teamrl.rollout.runner import served_model, trained_models, used_models
+    from teamrl.rollout.workflow import WorkflowError
+    from teamrl.rollout.workflows import load
+
+    plain, keyed = parse_weights_flags(weights)
+    try:
+        wf = load(cfg.workflow)
+    except WorkflowError as e:
+        raise RolloutConfigError(f"workflow = {cfg.workflow!r}: {e}") from None
+    used, trained = used_models(wf), trained_models(wf)
+
+    def agents_on(model_id: str) -> list[str]:
+        return [a.id for a in wf.agents if a.model == model_id]
+
+    if not cfg.models:
+        key = served_model(wf)
+        if key is None:
+            raise RolloutConfigError(
+                f"workflow {wf.name!r} trains agents on base models {trained or used}, and model "
+                "serves one: set [rollout.models.<model id>] (path, weights) for each of them"
+            )
+        missing = [m for m in used if m != key]
+        if missing:
+            m = missing[0]
+            raise RolloutConfigError(
+                f"workflow {wf.name!r} runs agents {agents_on(m)} on model {m!r}, which has no engine "
+                f"here (model serves {key!r}): set [rollout.models.<model id>] (path, weights) for each"
+            )
+        for model_id in keyed:
+            if model_id != key:
+                raise RolloutConfigError(
+                    f"--weights {model_id}=...: {model_id!r} is not the base model this service runs "
+                    f"({key!r})"
+                )
+        endpoint = plain or keyed.get(key) or DEFAULT_WEIGHTS
+        return {
+            key: ServedBase(
+                key,
+                cfg.model,
+                cfg.max_lora_rank,
+                tuple(cfg.lora_target_modules),
+                endpoint,
+                cfg.start_version,
+            )
+        }
+
+    for model_id in cfg.models:
+        if model_id not in wf.models:
+            raise RolloutConfigError(
+                f"models.{model_id}: workflow {wf.name!r} has no model {model_id!r} "
+                f"(its models: {sorted(wf.models)})"
+            )
+    for model_id in used:
+        if model_id not in cfg.models:
+            raise RolloutConfigError(
+                f"models.{model_id}: workflow {wf.name!r} runs agents {agents_on(model_id)} on model "
+                f"{model_id!r}, which has no engine here: add [rollout.models.{model_id}] with its path"
+            )
+    for model_id in keyed:
+        if model_id not in cfg.models:
+            raise RolloutConfigError(
+                f"--weights {model_id}=...: {model_id!r} is not a base model of [rollout.models] "
+                f"({sorted(cfg.models)})"
+            )
+    if plain is not None and len(cfg.models) > 1:
+        raise RolloutConfigError(
+            f"--weights {plain}: this service runs {len(cfg.models)} base models ({sorted(cfg.models)}); "
+            "give --weights MODEL_ID=ENDPOINT for each (or models.<model id>.weights)"
+        )
+    bases: dict[str, ServedBase] = {}
+    for model_id, m in cfg.models.items():
+        endpoint = keyed.get(model_id) or plain or m.weights
+        if not endpoint and model_id in trained:
+            raise RolloutConfigError(
+                f"models.{model_id}.weights: no weights endpoint for base {model_id!r} (agents "
+                f"{agents_on(model_id)} train on it): set it, or --weights {model_id}=ENDPOINT"
+            )
+        if not endpoint and m.start_version:
+            raise RolloutConfigError(
+                f"models.{model_id}.start_version = {m.start_version}: base {model_id!r} follows no "
+                "weights endpoint, so no version but 0 ever comes"
+            )
+        if not (Path(m.path) / "config.json").is_file():
+            raise RolloutConfigError(
+                f"models.{model_id}.path = {m.path!r}: no config.json there (not a model folder)"
+            )
+        bases[model_id] = ServedBase(
+            model_id,
+            m.path,
+            m.max_lora_rank,
+            tuple(m.lora_target_modules),
+            endpoint,
+            m.start_version,
+        )
+    return bases
+
+
+@dataclass
+class _Base:
+    """One base model at run time: its plan, engine and weights applier."""
+
+    plan: ServedBase
+    engine: Any  # RolloutEngine
+    applier: Any = None  # WeightsApplier, set once the runner exists
+    up: bool = False  # engine started
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,21 +457,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class RolloutService:
-    """One rollout service. ``asyncio.run(RolloutService(cfg, ...).main())`` returns the exit code."""
+    """One rollout service. ``asyncio.run(RolloutService(cfg, ...).main())`` returns the exit code.
+
+    ``weights``: the ``--weights`` values (one endpoint, or ``MODEL_ID=ENDPOINT`` ones; None = the
+    default endpoint for one base). ``bases`` maps each base model id to its engine and weights
+    applier (:func:`resolve_bases`); ``engine`` and ``applier`` are the first base's. LangMARL
+    profile versions are applied only from the first base's link: the learner group of the first
+    base of ``[rollout.models]`` runs the profile rounds (docs/architecture.md §3)."""
 
     def __init__(
         self,
         cfg: RolloutConfig,
         *,
         buffer: str,
-        weights: str,
+        weights: str | Sequence[str] | None = None,
         metrics_port: int = 0,
         metrics_host: str = "127.0.0.1",
         transport: TransportConfig | None = None,
     ) -> None:
+        plans = resolve_bases(cfg, weights)  # config errors before anything starts
         self.cfg = cfg
         self.buffer = buffer
-        self.weights = weights
         self.transport = transport or TransportConfig()  # [transport]: CURVE on every link when on
         self.incarnation = f"rollout-{uuid.uuid4().hex[:12]}"
         self.stopping = False
@@ -283,13 +493,31 @@ class RolloutService:
             buffer, self.incarnation, cfg.window, self.transport.client_curve("rollout", "buffer_data")
         )
         self.sender.flush_timeout_s = cfg.flush_timeout_s
-        self.fatal = False  # the engine died: exit non-zero so a supervisor restarts the service
+        self.fatal = False  # an engine died: exit non-zero so a supervisor restarts the service
         self._place_replica()
-        self._build_engine()
-        self.applier = WeightsApplier(
-            self.engine, self.runner, Path(cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
-        )
+        self._build_engines(plans)
+        root = Path(cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
+        followed = [b for b in self.bases.values() if b.plan.weights]
+        first = followed[0] if followed else None  # its learner group runs the profile rounds
+        for b in self.bases.values():
+            b.applier = WeightsApplier(
+                b.engine,
+                self.runner,
+                root if len(self.bases) == 1 else root / b.plan.model_id,
+                model_id=b.plan.model_id,
+                profiles=b is first,
+            )
         self.evaluator = Evaluator(cfg, self.runner, self.replica)
+
+    @property
+    def engine(self) -> Any:
+        """The first base's engine (the only one without ``[rollout.models]``)."""
+        return next(iter(self.bases.values())).engine
+
+    @property
+    def applier(self) -> Any:
+        """The first base's weights applier."""
+        return next(iter(self.bases.values())).applier
 
     def _place_replica(self) -> None:
         """Where this replica stands: its shard of the tasks and its sampling seeds."""
@@ -304,25 +532,28 @@ class RolloutService:
             if cfg.num_replicas > 1:
                 log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
 
-    def _build_engine(self) -> None:
-        """The engine (started by ``start``) and the workflow runner on it."""
+    def _build_engines(self, plans: dict[str, ServedBase]) -> None:
+        """One engine per base (started by ``start``) and the workflow runner on them."""
         from teamrl.rollout.engine import EngineConfig, RolloutEngine
         from teamrl.rollout.runner import WorkflowRunner
 
         cfg = self.cfg
-        self.engine = RolloutEngine(
-            EngineConfig(
-                model=cfg.model,  # set by with_model(): the embedded model's folder when the config has none
-                seed=cfg.seed + self.seed_offset,
-                max_lora_rank=cfg.max_lora_rank,
-                lora_target_modules=tuple(cfg.lora_target_modules),
-                keep_versions=cfg.keep_versions,
-                kv_cache_bytes=cfg.kv_cache_bytes,
+        self.bases: dict[str, _Base] = {}
+        for model_id, plan in plans.items():
+            engine = RolloutEngine(
+                EngineConfig(
+                    model=plan.path,  # one base: set by with_model() (the embedded model when none)
+                    seed=cfg.seed + self.seed_offset,
+                    max_lora_rank=plan.max_lora_rank,
+                    lora_target_modules=plan.lora_target_modules,
+                    keep_versions=cfg.keep_versions,
+                    kv_cache_bytes=cfg.kv_cache_bytes,
+                )
             )
-        )
+            self.bases[model_id] = _Base(plan, engine)
         self.runner = WorkflowRunner(
             cfg.workflow,
-            self.engine,
+            {model_id: b.engine for model_id, b in self.bases.items()},
             self.incarnation,
             tasks=cfg.tasks,
             reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
@@ -330,7 +561,8 @@ class RolloutService:
 
     def not_ready_reason(self) -> str:
         if not self.started:
-            return "engine starting"
+            down = [m for m, b in self.bases.items() if not b.up]
+            return "engine starting" + (f" ({', '.join(down)})" if len(self.bases) > 1 else "")
         if self.stopping:
             return "draining"
         if not self.sender.connected.is_set():
@@ -339,17 +571,31 @@ class RolloutService:
 
     # --- weights (teamrl.rollout.weights) and evaluations (teamrl.rollout.evaluation) ----------
 
+    def weights_loops(self) -> list[Any]:
+        """One coroutine per followed base: its learner group's adapter versions (and, first base
+        only, profile versions) applied to its engine; an evaluation is considered after each."""
+        curve = self.transport.client_curve("rollout", "learner_weights")
+        return [
+            b.applier.follow(b.plan.weights, curve, lambda: self.stopping, self.maybe_evaluate)
+            for b in self.bases.values()
+            if b.plan.weights
+        ]
+
     async def weights_loop(self) -> None:
-        """Follow the learner's adapter and profile versions; evaluate after each one."""
-        await self.applier.follow(
-            self.weights,
-            self.transport.client_curve("rollout", "learner_weights"),
-            lambda: self.stopping,
-            self.maybe_evaluate,
-        )
+        """Every base's :meth:`weights_loops` until a stop."""
+        await asyncio.gather(*self.weights_loops())
 
     async def maybe_evaluate(self, final: bool = False) -> None:
-        await self.evaluator.maybe_evaluate(self.engine.version, final)
+        """Evaluate (replica 0, every ``eval_interval`` versions) at the lowest live version over the
+        followed bases, once each base's learner answered; "final" once every one of them announced
+        its final version (``final``, one link's flag, is read from the appliers)."""
+        followed = [b for b in self.bases.values() if b.plan.weights]
+        if not all(b.applier.answered for b in followed):
+            return  # a restarted rollout evaluates the run's versions, not the base weights it starts on
+        versions = {m: b.engine.version for m, b in self.bases.items()}
+        low = min((b.engine.version for b in followed), default=0)
+        final = bool(followed) and all(b.applier.final for b in followed)
+        await self.evaluator.maybe_evaluate(low, final, versions)
 
     # --- episodes -----------------------------------------------------------------------------
 
@@ -369,9 +615,9 @@ class RolloutService:
             raise
         except Exception as e:  # a broken episode must not stop the service; nothing partial goes out
             M.ABANDONED.labels("error").inc(len(seeds))
-            if type(e).__name__ == "EngineDeadError":  # vLLM cannot recover: exit, get restarted
+            if type(e).__name__ == "EngineDeadError":  # any engine: vLLM cannot recover; exit, restart
                 if not self.fatal:
-                    log.error("vLLM engine died (%s): draining and exiting with code 3", e)
+                    log.error("a vLLM engine died (%s): draining and exiting with code 3", e)
                 self.fatal = True
                 self.request_stop("engine dead")
                 return
@@ -393,16 +639,24 @@ class RolloutService:
         self.evaluator.maybe_write_sample(list(trajs))
 
     async def wait_for_version(self) -> None:
-        """Generate nothing before ``start_version`` is live (a resumed run's current weights): data
-        sampled from older weights would only be dropped as stale. Says every few seconds what it
-        waits for; a stop ends the wait."""
-        want, t0, said = self.cfg.start_version, time.monotonic(), 0.0
-        while self.engine.version < want and not self.stopping:
+        """Generate nothing before every base's ``start_version`` is live on its engine (a resumed
+        run's current weights): data sampled from older weights would only be dropped as stale.
+        Says every few seconds what it waits for; a stop ends the wait."""
+        t0, said = time.monotonic(), 0.0
+        while not self.stopping:
+            behind = [b.plan for b in self.bases.values() if b.engine.version < b.plan.start_version]
+            if not behind:
+                return
             waited = time.monotonic() - t0
             if waited - said >= 5.0:
-                log.info(
-                    "waiting for adapters v%d from %s before generating (%.0f s)", want, self.weights, waited
-                )
+                for plan in behind:
+                    log.info(
+                        "waiting for adapters v%d of %s from %s before generating (%.0f s)",
+                        plan.start_version,
+                        plan.model_id,
+                        plan.weights,
+                        waited,
+                    )
                 said = waited
             await asyncio.sleep(0.2)
 
@@ -489,7 +743,7 @@ class RolloutService:
         last, t_last = 0, time.monotonic()
         while not self.stopping:
             await asyncio.sleep(2.0)
-            now, n = time.monotonic(), self.engine.tokens_generated
+            now, n = time.monotonic(), sum(b.engine.tokens_generated for b in self.bases.values())
             M.THROUGHPUT.set((n - last) / (now - t_last))
             last, t_last = n, now
             self.last_tick = now
@@ -506,7 +760,7 @@ class RolloutService:
         await self.start()
         loops = [
             asyncio.create_task(c)
-            for c in (self.weights_loop(), self.throughput_loop(), self.heartbeat_loop())
+            for c in (*self.weights_loops(), self.throughput_loop(), self.heartbeat_loop())
         ]
         try:
             await self.wait_for_version()
@@ -524,10 +778,18 @@ class RolloutService:
         return 0 if self.sender.lost == 0 else 1
 
     async def start(self) -> None:
-        """The sender thread and the vLLM engine (its start-up and warm-up take most of the time)."""
+        """The sender thread and the vLLM engines, one after the other (start-up and warm-up take
+        most of the time); a failed start closes the engines already up."""
         self.sender.start()
         t0 = time.time()
-        await self.engine.start()
+        try:
+            for b, share in zip(self.bases.values(), engine_cpu_shares(len(self.bases)), strict=True):
+                with _environ(share):  # read when vLLM spawns the engine's process, inside start()
+                    await b.engine.start()
+                b.up = True
+        except BaseException:
+            await self._close_engines()
+            raise
         self.started = True
         M.READY.set(1)
         log.info(
@@ -538,8 +800,20 @@ class RolloutService:
             self.num_replicas,
             self.cfg.workflow,
             self.buffer,
-            self.weights,
+            ", ".join(
+                f"{m}={b.plan.weights or '(none)'}" if len(self.bases) > 1 else b.plan.weights
+                for m, b in self.bases.items()
+            ),
         )
+
+    async def _close_engines(self) -> None:
+        """Close every engine that was started; one failing to close does not keep the others up."""
+        for m, b in self.bases.items():
+            try:
+                await b.engine.close()
+            except Exception as e:
+                log.warning("closing the engine of %s failed: %s", m, e)
+            b.up = False
 
     async def shutdown(self, loops: list[asyncio.Task]) -> None:
         """Stop the loops, let the sender flush (acks), close the engine and the HTTP endpoint."""
@@ -550,7 +824,7 @@ class RolloutService:
         await asyncio.gather(*loops, return_exceptions=True)
         self.sender.stop_event.set()
         await asyncio.to_thread(self.sender.join)
-        await self.engine.close()
+        await self._close_engines()
         if self.http is not None:
             self.http.shutdown()
 
@@ -559,6 +833,60 @@ class RolloutService:
             log.info("%s: draining", why or "stop requested")
         self.stopping = True
         M.READY.set(0)
+
+
+def engine_cpu_shares(n: int, environ: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """Environment additions giving the ``n`` engines of one service disjoint cores.
+
+    With vLLM's automatic binding every engine of a process binds its worker to the same first
+    cores, and on the 2-core test machine one of two engines so bound sometimes never finished
+    starting (``teamrl.rollout.cpus``). So the cores this service may use (a launcher's
+    ``VLLM_CPU_OMP_THREADS_BIND`` list, else its affinity) are split with ``cpus.core_shares``.
+    Nothing is added for one engine, for an operator's ``nobind``, or under a CPU quota smaller
+    than the cores (the engine then runs its worker unpinned, ``cpus.configure_vllm_cpu_threads``)."""
+    from teamrl.rollout.cpus import core_shares, cpu_quota
+
+    env = dict(os.environ) if environ is None else environ
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if n == 1 or bind == "nobind":
+        return [{} for _ in range(n)]
+    cores = _core_list(bind) if bind and bind not in ("auto", "all") else None
+    if cores is None:
+        if bind and bind not in ("auto", "all"):  # a form we do not split (e.g. per-rank "a|b")
+            return [{} for _ in range(n)]
+        allowed = os.sched_getaffinity(0)
+        quota = cpu_quota()
+        if quota is not None and quota < len(allowed):
+            return [{} for _ in range(n)]
+        cores = sorted(allowed)
+    return core_shares(n, cores, environ={})
+
+
+def _core_list(bind: str) -> list[int] | None:
+    """``"0,2-3"`` -> [0, 2, 3]; None for anything else."""
+    out: list[int] = []
+    try:
+        for part in bind.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        return None
+    return sorted(set(out)) or None
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """``os.environ`` with ``extra`` while the block runs, then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _replica_from_env() -> int | None:
@@ -589,8 +917,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weights",
-        default="tcp://127.0.0.1:5557",
-        help="learner weights PUB endpoint; its 'latest' endpoint is the next port (default %(default)s)",
+        action="append",
+        metavar="ENDPOINT | MODEL_ID=ENDPOINT",
+        help="learner weights PUB endpoint; its 'latest' endpoint is the next port (default "
+        f"{DEFAULT_WEIGHTS}). With [rollout.models] (one engine per base model), repeat "
+        "MODEL_ID=ENDPOINT: each base's learner group's endpoint",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics /healthz /readyz port, 0 = off")
     p.add_argument("--metrics-host", default="127.0.0.1")
@@ -620,7 +951,11 @@ def load_transport(path: str | None) -> TransportConfig:
 
 def with_model(cfg: RolloutConfig) -> RolloutConfig:
     """``cfg`` with a model folder that exists: its own, else the embedded model's, which
-    ``teamrl model build`` makes (``teamrl run`` and the deploy's init container run it first)."""
+    ``teamrl model build`` makes (``teamrl run`` and the deploy's init container run it first).
+    With ``[rollout.models]`` each base names its own folder (checked by :func:`resolve_bases`)
+    and ``cfg`` is returned as it is."""
+    if cfg.models:
+        return cfg
     if cfg.model:
         if not (Path(cfg.model) / "config.json").is_file():
             raise RolloutConfigError(f"model = {cfg.model!r}: no config.json there (not a model folder)")
@@ -642,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         transport = load_transport(args.config)
         cfg = with_model(cfg)
+        resolve_bases(cfg, args.weights)  # the same check RolloutService makes, before logging starts
     except RolloutConfigError as e:
         print(f"teamrl rollout: {e}", file=sys.stderr)
         return 2

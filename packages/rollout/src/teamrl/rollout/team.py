@@ -5,8 +5,9 @@ check`` ask first. It loads the workflow (built-in name, shipped name or TOML pa
 everything that would otherwise fail minutes later inside a service (docs/workflows.md lists the
 checks):
 
-* something is trained: at least one agent has an adapter; every trained agent runs on one base
-  model (one learner group per base model is not started by ``teamrl run`` yet);
+* something is trained: at least one agent has an adapter; every model an agent uses has a folder
+  (one folder for the whole team, or one per model id); the trained agents of each base model are
+  one learner group (:class:`BasePlan`);
 * every agent's profile and template, rendered with a held-out task, can be encoded by the model's
   tokenizer (chat template included);
 * every adapter's rank fits the largest rank vLLM serves, and the LoRA target modules exist in the
@@ -14,10 +15,10 @@ checks):
 * agents that share an adapter sample at one temperature (the learner recomputes each adapter's
   log-probs at its own), never greedily, with top_p 1.
 
-It returns a :class:`TeamPlan`: the adapters with their own ranks and the agents sharing each, the
-target modules, the held-out split, and a probe (prompt and completion token ids built from a
-held-out task with the model's tokenizer) that the learner scores and every rollout must reproduce
-before it uses new adapters. Everything workflow-specific the services need comes from here; no
+It returns a :class:`TeamPlan`: per base model, the adapters with their own ranks and the agents
+sharing each, the target modules and a probe (prompt and completion token ids built from a
+held-out task with that model's tokenizer); and the held-out split. The probe is what the learner
+scores and every rollout must reproduce before it uses new adapters. Everything workflow-specific the services need comes from here; no
 service knows a built-in task.
 """
 
@@ -39,30 +40,69 @@ HELD_OUT_SPLITS = {"addition": "addition-held-out", "math-word": "math-word-held
 
 
 @dataclass(frozen=True)
-class TeamPlan:
-    """What the services of one run need to agree on (``teamrl run`` writes it into RUN/config.toml)."""
+class BasePlan:
+    """One base model of the team and what its learner group trains (README, "Teams of different
+    models"): the adapters of the agents that run on it, checked against its own folder."""
 
-    workflow: Workflow
-    source: str  # the built-in/shipped name, or the TOML file's absolute path
+    model_id: str  # the workflow's id of the base model (models.<id>)
     model_dir: Path
-    model_id: str  # the workflow's id of the base model the trained agents run on
+    agents: list[str]  # the trained agents on this base, in workflow order
     adapters: dict[str, int]  # adapter -> LoRA rank, in the order agents first use them
     shared_by: dict[str, list[str]]  # adapter -> the agents that share it
     target_modules: list[str]
     temperatures: dict[str, float]  # adapter -> the temperature its agents sample at
     optimiser: dict[str, dict[str, float]]  # adapter -> the workflow's [adapters.X] learner settings
-    max_lora_rank: int  # what the rollout's vLLM engine is started with
-    probe_prompt: list[int]
+    max_lora_rank: int  # what the rollout's vLLM engine for this base is started with
+    probe_prompt: list[int]  # built with this base's tokenizer
     probe_completion: list[int]
+
+
+@dataclass(frozen=True)
+class TeamPlan:
+    """What the services of one run need to agree on (``teamrl run`` writes it into RUN/config.toml).
+
+    ``bases`` holds one :class:`BasePlan` per base model that trained agents run on, in the order
+    the workflow first uses them; each is one learner group. The single-base attributes
+    (``model_dir``, ``adapters``, ...) read the only base and refuse a team of several."""
+
+    workflow: Workflow
+    source: str  # the built-in/shipped name, or the TOML file's absolute path
+    bases: dict[str, BasePlan]
+    model_dirs: dict[str, Path]  # every model id an agent uses -> its folder (untrained agents too)
     train_size: int
     held_out_size: int
 
+    @property
+    def base(self) -> BasePlan:
+        if len(self.bases) != 1:
+            raise WorkflowError(
+                f"workflow {self.workflow.name!r} trains agents on {len(self.bases)} base models "
+                f"({', '.join(self.bases)}); this command serves one (teamrl run trains several)"
+            )
+        return next(iter(self.bases.values()))
+
+    model_dir = property(lambda self: self.base.model_dir)
+    model_id = property(lambda self: self.base.model_id)
+    adapters = property(lambda self: self.base.adapters)
+    shared_by = property(lambda self: self.base.shared_by)
+    target_modules = property(lambda self: self.base.target_modules)
+    temperatures = property(lambda self: self.base.temperatures)
+    optimiser = property(lambda self: self.base.optimiser)
+    max_lora_rank = property(lambda self: self.base.max_lora_rank)
+    probe_prompt = property(lambda self: self.base.probe_prompt)
+    probe_completion = property(lambda self: self.base.probe_completion)
+
     def summary(self) -> str:
-        ranks = ", ".join(f"{a} (r={r}; {', '.join(self.shared_by[a])})" for a, r in self.adapters.items())
+        parts = []
+        for b in self.bases.values():
+            ranks = ", ".join(f"{a} (r={r}; {', '.join(b.shared_by[a])})" for a, r in b.adapters.items())
+            on = f"base {b.model_id} at {b.model_dir}: " if len(self.bases) > 1 else ""
+            parts.append(f"{on}adapters {ranks}; LoRA on {b.target_modules}")
+        where = "" if len(self.bases) > 1 else f"; model {next(iter(self.bases.values())).model_dir}"
         return (
             f"workflow {self.workflow.name} ({self.source}): {len(self.workflow.agents)} agents, "
-            f"{self.workflow.graph.kind} graph; adapters {ranks}; LoRA on {self.target_modules}; "
-            f"tasks {self.train_size} train / {self.held_out_size} held out; model {self.model_dir}"
+            f"{self.workflow.graph.kind} graph; {'; '.join(parts)}; "
+            f"tasks {self.train_size} train / {self.held_out_size} held out{where}"
         )
 
 
@@ -121,36 +161,86 @@ def lora_targets(model_dir: str | Path) -> list[str]:
 
 def plan_team(
     source: str | Path,
-    model_dir: str | Path,
+    model_dir: str | Path | Mapping[str, str | Path],
     *,
     tasks_path: str | Path | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> TeamPlan:
-    """Load ``source`` and check it against ``model_dir``; every problem is a WorkflowError that names
-    the workflow (file), the agent and the field."""
+    """Load ``source`` and check it against its model folder(s); every problem is a WorkflowError
+    that names the workflow (file), the agent and the field.
+
+    ``model_dir``: one folder (every model the workflow uses runs on it: a one-model team), or
+    ``{model_id: folder}`` with a folder for every model an agent uses (a team of different models,
+    one learner group per trained base)."""
     wf, canonical = load_source(source)
     where = f"workflow {wf.name!r} ({canonical})"
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise WorkflowError(f"{where}: model folder {model_dir} has no config.json")
-
+    dirs = _model_dirs(wf, model_dir, where)
     trained = [a for a in wf.agents if a.adapter]
     if not trained:
         raise WorkflowError(
             f"{where}: no agent has an adapter (agents.adapter), so nothing would be trained; "
             f"agents: {[a.id for a in wf.agents]}"
         )
-    bases = {a.model for a in trained}
-    if len(bases) > 1:
-        per = ", ".join(f"{a.id} on {a.model!r}" for a in trained)
-        raise WorkflowError(
-            f"{where}: trained agents run on {len(bases)} base models ({per}); teamrl run trains one "
-            "base model per workflow (give every trained agent the same agents.model)",
-            agent=trained[-1].id,
+    train, held = split_tasks(wf, tasks_path)
+    if not train or not held:
+        raise WorkflowError(f"{where}: {len(train)} training and {len(held)} held-out tasks: need both")
+    toks = {m: tokenizer if tokenizer is not None else _tokenizer(d) for m, d in dirs.items()}
+    prompts = {a.id: _encoded_prompt(wf, a.id, toks[a.model], held[0], where) for a in wf.agents}
+    bases: dict[str, BasePlan] = {}
+    for model_id in dict.fromkeys(a.model for a in trained):
+        mine = [a for a in trained if a.model == model_id]
+        bases[model_id] = _base_plan(
+            wf, model_id, dirs[model_id], mine, toks[model_id], prompts, held[0], where
         )
-    (model_id,) = bases
-    temps = _adapter_temperatures(trained, where)
+    return TeamPlan(
+        workflow=wf,
+        source=canonical,
+        bases=bases,
+        model_dirs=dirs,
+        train_size=len(train),
+        held_out_size=len(held),
+    )
 
+
+def _model_dirs(
+    wf: Workflow, model_dir: str | Path | Mapping[str, str | Path], where: str
+) -> dict[str, Path]:
+    """model id -> folder for every model an agent uses; each folder must hold a config.json."""
+    used = list(dict.fromkeys(a.model for a in wf.agents))
+    if isinstance(model_dir, Mapping):
+        unknown = sorted(set(model_dir) - set(wf.models))
+        if unknown:
+            raise WorkflowError(
+                f"{where}: model folders given for {unknown}, not models of it ({sorted(wf.models)})"
+            )
+        missing = [m for m in used if m not in model_dir]
+        if missing:
+            users = {m: [a.id for a in wf.agents if a.model == m] for m in missing}
+            raise WorkflowError(
+                f"{where}: no model folder for {', '.join(f'{m!r} (agents {users[m]})' for m in missing)}; "
+                "give one per model (teamrl run --model ID=DIR)",
+                agent=users[missing[0]][0],
+            )
+        dirs = {m: Path(model_dir[m]) for m in used}
+    else:
+        dirs = {m: Path(model_dir) for m in used}
+    for m, d in dirs.items():
+        if not (d / "config.json").is_file():
+            raise WorkflowError(f"{where}: model {m!r}: folder {d} has no config.json")
+    return dirs
+
+
+def _base_plan(
+    wf: Workflow,
+    model_id: str,
+    model_dir: Path,
+    trained: list[Any],
+    tok: Tokenizer,
+    prompts: dict[str, list[int]],
+    task: Mapping[str, Any],
+    where: str,
+) -> BasePlan:
+    """The adapters of ``trained`` (agents on ``model_id``), their ranks, targets and probe."""
     adapters: dict[str, int] = {}
     shared_by: dict[str, list[str]] = {}
     for a in trained:
@@ -164,31 +254,18 @@ def plan_team(
             f"({VLLM_LORA_RANKS[-1]})",
             agent=shared_by[name][0],
         )
-    max_rank = next(r for r in VLLM_LORA_RANKS if r >= top)
-    targets = lora_targets(model_dir)
-
-    train, held = split_tasks(wf, tasks_path)
-    if not train or not held:
-        raise WorkflowError(f"{where}: {len(train)} training and {len(held)} held-out tasks: need both")
-    tok = tokenizer if tokenizer is not None else _tokenizer(model_dir)
-    prompts = {a.id: _encoded_prompt(wf, a.id, tok, held[0], where) for a in wf.agents}
-    probe_agent = trained[0]
-    completion = _probe_completion(tok, held[0])
-    return TeamPlan(
-        workflow=wf,
-        source=canonical,
-        model_dir=model_dir,
+    return BasePlan(
         model_id=model_id,
+        model_dir=model_dir,
+        agents=[a.id for a in trained],
         adapters=adapters,
         shared_by=shared_by,
-        target_modules=targets,
-        temperatures=temps,
+        target_modules=lora_targets(model_dir),
+        temperatures=_adapter_temperatures(trained, where),
         optimiser={a: wf.adapters[a].learner_settings() for a in adapters},
-        max_lora_rank=max_rank,
-        probe_prompt=prompts[probe_agent.id],
-        probe_completion=completion,
-        train_size=len(train),
-        held_out_size=len(held),
+        max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= top),
+        probe_prompt=prompts[trained[0].id],
+        probe_completion=_probe_completion(tok, task),
     )
 
 

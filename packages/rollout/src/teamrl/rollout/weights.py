@@ -8,6 +8,11 @@ payload (inline chunks or the shared folder), check its sha256, unpack safely, l
 logged and counted, and generation goes on with the last good version. LangMARL profile versions
 travel on the same sockets and are adopted here too. docs/architecture.md §8 ("WeightsPublished
 and the hot-load") describes the checks.
+
+A service with several base models (docs/architecture.md §3, "Rollout services") runs one applier
+per base, each on its own engine and its own learner group's endpoint; only the first base's applier
+takes profile versions (``profiles=True``), and each tracks whether its learner announced its final
+version (``final``) and has answered at all (``answered``).
 """
 
 from __future__ import annotations
@@ -30,12 +35,18 @@ LATEST_POLL_S = 5.0  # ask the learner's latest endpoint after this long without
 class WeightsApplier:
     """Adapter versions and profile versions from the learner, checked, loaded and gauged."""
 
-    def __init__(self, engine: Any, runner: Any, adapter_root: Path) -> None:
+    def __init__(
+        self, engine: Any, runner: Any, adapter_root: Path, *, model_id: str = "", profiles: bool = True
+    ) -> None:
         self.engine = engine  # RolloutEngine: loads and probes adapter versions
         self.runner = runner  # WorkflowRunner: takes profile versions
         self.adapter_root = adapter_root  # inline payloads are unpacked under here
+        self.model_id = model_id  # the base model whose engine this follows (metric label, logs)
+        self.profiles = profiles  # adopt LangMARL profile versions from this link
         self.announced_version = 0  # newest version announced, applied or not
         self.profiles_seen = -1  # newest profile version applied or refused
+        self.answered = False  # the learner's latest endpoint answered once (or had nothing yet)
+        self.final = False  # the last announcement handled was the learner's final version
 
     async def follow(
         self,
@@ -47,7 +58,8 @@ class WeightsApplier:
         """Apply the learner's latest versions, then every announcement, until ``stopping()``.
 
         ``on_version(final)`` runs after the first answer (whether or not the learner had one) and
-        after each announcement applied or refused: the service evaluates there."""
+        after each announcement applied or refused: the service evaluates there. ``final`` is this
+        link's flag, also kept in ``self.final``."""
         from teamrl.protocol.errors import PeerTimeout
         from teamrl.protocol.zmq_transport import WeightsSubscriber, latest_endpoint_for
 
@@ -62,8 +74,9 @@ class WeightsApplier:
                 await self.apply_weights(first)
             # The first evaluation waits for this answer: a restarted rollout evaluates the run's
             # current version (not the base weights it starts with); a fresh run evaluates v0.
-            await on_version(first is not None and first.final)
-            profiles = await self._latest_profiles(sub)
+            self.answered, self.final = True, first is not None and bool(first.final)
+            await on_version(self.final)
+            profiles = await self._latest_profiles(sub) if self.profiles else None
             if profiles is not None:
                 self.apply_profiles(profiles)
             last_heard = time.monotonic()
@@ -72,14 +85,15 @@ class WeightsApplier:
                 if msg is None and time.monotonic() - last_heard > LATEST_POLL_S:
                     last_heard = time.monotonic()
                     msg = await self._ask_latest(sub)
-                profiles = sub.take_profiles()
+                profiles = sub.take_profiles() if self.profiles else None
                 if profiles is not None:
                     last_heard = time.monotonic()
                     self.apply_profiles(profiles)
                 if msg is not None:
                     last_heard = time.monotonic()
                     await self.apply_weights(msg)
-                    await on_version(bool(getattr(msg, "final", False)))
+                    self.final = bool(getattr(msg, "final", False))
+                    await on_version(self.final)
         finally:
             sub.close()
 
@@ -93,7 +107,7 @@ class WeightsApplier:
             newest = await asyncio.to_thread(sub.latest, 1000)
         except PeerTimeout:
             newest = None
-        lp = await self._latest_profiles(sub)
+        lp = await self._latest_profiles(sub) if self.profiles else None
         if lp is not None and lp.version > self.profiles_seen:
             self.apply_profiles(lp)
         return newest if newest is not None and newest.version > self.engine.version else None
@@ -130,13 +144,20 @@ class WeightsApplier:
             )
         except AdapterRefused as e:
             M.ADAPTER_FAILURES.labels(e.reason).inc()
-            log.warning("adapter v%d refused (%s): %s", msg.version, e.reason, e)
+            log.warning(
+                "adapter v%d%s refused (%s): %s",
+                msg.version,
+                f" of {self.model_id}" if self.model_id else "",
+                e.reason,
+                e,
+            )
             self.gauge_versions()
             return False
         M.ADAPTER_LOADS.inc()
         log.info(
-            "adapters v%d live (probe error %.2e, base gap %.3f; %d of %d adapters probed)",
+            "adapters v%d live%s (probe error %.2e, base gap %.3f; %d of %d adapters probed)",
             msg.version,
+            f" on {self.model_id}" if self.model_id else "",
             res["probe_err"],
             res["base_gap"],
             res.get("probed", 1),
@@ -182,7 +203,7 @@ class WeightsApplier:
     def gauge_versions(self) -> None:
         for name, v in self.engine.adapter_versions().items():
             M.POLICY_VERSION.labels(name).set(v)
-        M.VERSION_LAG.set(max(0, self.announced_version - self.engine.version))
+        M.VERSION_LAG.labels(self.model_id).set(max(0, self.announced_version - self.engine.version))
 
     def apply_profiles(self, msg: Any) -> bool:
         """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
