@@ -151,18 +151,18 @@ def plan(args: argparse.Namespace, *, build: bool = True) -> RunPlan:
             )
         raise PlanError(f"{e}{hint}") from None
     shown = str(model) if isinstance(model, Path) else json.dumps({k: str(v) for k, v in model.items()})
-    cfg = resolved_config(args, team, shown)
+    groups = list(team.bases) if len(team.bases) > 1 else [""]
+    try:
+        ranks = learner_ranks(getattr(args, "learners", None), groups)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    cfg = resolved_config(args, team, shown, max(ranks.values()))
     cfg = _apply_user_config(cfg, args.config, args.set)
     lrn = cfg["learner"]
     if lrn.get("profile_interval") and not lrn.get("profiles"):  # LangMARL rounds start from these
         lrn["profiles"] = team.workflow.profiles()
     validate(cfg)
-    out = RunPlan(team, shown, cfg)
-    try:
-        learner_ranks(getattr(args, "learners", None), out.groups)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
-    return out
+    return RunPlan(team, shown, cfg)
 
 
 def learner_ranks(value: Any, groups: list[str]) -> dict[str, int]:
@@ -181,10 +181,16 @@ def learner_ranks(value: Any, groups: list[str]) -> dict[str, int]:
     return {g: per.get(g, every) for g in groups}
 
 
-def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str, dict[str, Any]]:
+def resolved_config(
+    args: argparse.Namespace, team: Any, model: str, ranks: int = 1
+) -> dict[str, dict[str, Any]]:
     """The [buffer], [learner] and [rollout] tables of this run (written to RUN/config.toml); a team
     on several base models also gets [groups.<model id>]: each learner group's own base, adapters,
-    agents and probe over the shared [learner] settings, and [rollout] a ``models`` table."""
+    agents and probe over the shared [learner] settings, and [rollout] a ``models`` table.
+
+    ``ranks``: the most learner ranks of a group. A step takes ``tasks_per_step`` groups per rank, and
+    data more than ``max_lag`` versions old is dropped, so a rollout starts at most ``(max_lag + 1)
+    x tasks_per_step x ranks`` groups per live version (``max_groups_per_version``)."""
     batch = args.tasks_per_step * args.group_size
     several = len(team.bases) > 1
     first = next(iter(team.bases.values()))
@@ -229,6 +235,7 @@ def resolved_config(args: argparse.Namespace, team: Any, model: str) -> dict[str
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
             "reward_scale": reward_scale(args),
+            "max_groups_per_version": (args.max_lag + 1) * args.tasks_per_step * ranks,
         },
     }
     if several:

@@ -168,3 +168,12 @@ def test_sync_mode_refuses_a_team_of_different_models_before_starting_anything(t
     assert res.returncode == 2 and "--mode sync trains one base model" in res.stderr, res.stderr
     assert time.perf_counter() - t0 < 15.0
     assert not (tmp_path / "r").exists()
+
+
+def test_teamrl_run_sizes_the_budget_from_lag_step_and_ranks(tmp_path: Path) -> None:
+    model = fake_model(tmp_path / "m")
+    argv = ["--workflow", "addition-duo", "--model", str(model), "--max-lag", "2", "--tasks-per-step", "4"]
+    one = plan(parse_args(argv, "teamrl run", None, "r"), build=False)
+    two = plan(parse_args([*argv, "--learners", "2"], "teamrl run", None, "r"), build=False)
+    assert one.config["rollout"]["max_groups_per_version"] == 3 * 4
+    assert two.config["rollout"]["max_groups_per_version"] == 3 * 4 * 2

@@ -23,6 +23,10 @@ POLICY_VERSION = Gauge("teamrl_rollout_policy_version", "Adapter version in use 
 VERSION_LAG = Gauge(
     "teamrl_rollout_version_lag", "Versions between the newest announced and the one in use", ["model"]
 )
+WAITING_FOR_VERSION = Gauge(
+    "teamrl_rollout_waiting_for_version",
+    "1 while max_groups_per_version groups were started at the live version and no newer one is live",
+)
 INFLIGHT = Gauge("teamrl_rollout_inflight_episodes", "Episodes being generated now")
 PUBLISH_QUEUE = Gauge(
     "teamrl_rollout_publish_queue_depth", "Frames waiting to be sent or acknowledged by the buffer"

@@ -138,6 +138,13 @@ class RolloutConfig(BaseModel):
     keep_versions: int = Field(2, ge=1, description="adapter versions kept loaded")
     kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1, description="vLLM CPU KV cache size")
     adapter_dir: str = Field("", description="where received adapters are unpacked; empty = a temp folder")
+    max_groups_per_version: int = Field(
+        0,
+        ge=0,
+        description="start at most this many groups while the lowest live adapter version stays the same "
+        "(more would only be dropped as stale or evicted unread; teamrl run sets (max lag + 1) x the "
+        "groups of a step); 0 = no limit",
+    )
     eval_interval: int = Field(0, ge=0, description="replica 0: evaluate held-out tasks every N versions")
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
     start_version: int = Field(
@@ -456,6 +463,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 # the service
 
 
+class VersionBudget:
+    """At most ``per_version`` groups started while the lowest live adapter version stays the same
+    (AReaL's staleness control on the producer side): a learner that is slow, restarting or done
+    leaves the rollout idle instead of flooding the buffer with data it will drop as stale or evict
+    unread, which on shared cores also starves that learner. 0: no limit."""
+
+    def __init__(self, per_version: int) -> None:
+        self.per_version = per_version
+        self.version = -1
+        self.started = 0
+
+    def take(self, version: int) -> bool:
+        """True (and counted) if one more group may start at ``version``."""
+        if version != self.version:
+            self.version, self.started = version, 0
+        if self.per_version and self.started >= self.per_version:
+            M.WAITING_FOR_VERSION.set(1)
+            return False
+        M.WAITING_FOR_VERSION.set(0)
+        self.started += 1
+        return True
+
+
 class RolloutService:
     """One rollout service. ``asyncio.run(RolloutService(cfg, ...).main())`` returns the exit code.
 
@@ -593,9 +623,13 @@ class RolloutService:
         if not all(b.applier.answered for b in followed):
             return  # a restarted rollout evaluates the run's versions, not the base weights it starts on
         versions = {m: b.engine.version for m, b in self.bases.items()}
-        low = min((b.engine.version for b in followed), default=0)
+        low = self.live_version()
         final = bool(followed) and all(b.applier.final for b in followed)
         await self.evaluator.maybe_evaluate(low, final, versions)
+
+    def live_version(self) -> int:
+        """The lowest adapter version live over the bases that follow a learner (0: none yet)."""
+        return min((b.engine.version for b in self.bases.values() if b.plan.weights), default=0)
 
     # --- episodes -----------------------------------------------------------------------------
 
@@ -668,13 +702,14 @@ class RolloutService:
         order: list[dict] = []
         inflight: set[asyncio.Task] = set()
         counter = itertools.count()
+        budget = VersionBudget(self.cfg.max_groups_per_version)
         try:
             while not self.stopping:
                 self.last_tick = time.monotonic()
                 if self.cfg.max_groups and self.groups_done + len(inflight) >= self.cfg.max_groups:
                     if not inflight:
                         break
-                elif len(inflight) < self.cfg.groups_in_flight:
+                elif len(inflight) < self.cfg.groups_in_flight and budget.take(self.live_version()):
                     if not order:
                         order = tasks[:]
                         rng.shuffle(order)

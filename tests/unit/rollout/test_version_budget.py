@@ -1,0 +1,22 @@
+"""A rollout starts at most ``max_groups_per_version`` groups while the lowest live adapter version
+stays the same (teamrl.rollout.service.VersionBudget): a slow, restarting or finished learner leaves
+the rollout waiting instead of flooding the buffer with data it would drop."""
+
+from __future__ import annotations
+
+from teamrl.rollout import metrics as M
+from teamrl.rollout.service import VersionBudget
+
+
+def test_the_budget_refills_when_a_newer_version_is_live_and_the_gauge_says_when_it_waits() -> None:
+    budget = VersionBudget(3)
+    assert [budget.take(0) for _ in range(4)] == [True, True, True, False]
+    assert M.WAITING_FOR_VERSION._value.get() == 1
+    assert budget.take(0) is False  # still v0: still waiting
+    assert budget.take(1) is True and M.WAITING_FOR_VERSION._value.get() == 0
+    assert [budget.take(1) for _ in range(3)] == [True, True, False]
+
+
+def test_zero_means_no_limit() -> None:
+    budget = VersionBudget(0)
+    assert all(budget.take(0) for _ in range(1000))
