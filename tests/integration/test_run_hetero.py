@@ -13,7 +13,6 @@ evaluated, with each base's version in the evaluation row.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_run_survives_kills import rows
 
 pytestmark = [
     pytest.mark.vllm,
@@ -29,20 +29,8 @@ pytestmark = [
     pytest.mark.usefixtures("embedded_model", "embedded_llama_model"),
 ]
 
-STEPS = 6
+STEPS = 10
 GROUPS = ("embedded-v1", "embedded-llama")
-
-
-def rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
 
 
 def group_rows(run: Path, group: str) -> list[dict]:
@@ -76,7 +64,7 @@ def test_two_base_models_train_as_two_groups_survive_a_kill_and_resume(tmp_path:
     cli = [sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", "addition-duo-hetero"]
     argv = [
         *cli, "--run-dir", str(run), "--steps", str(STEPS), "--tasks-per-step", "2", "--group-size", "4",
-        "--eval-interval", "3", "--eval-tasks", "8", "--checkpoint-interval", "1", "--max-lag", "8",
+        "--eval-interval", "5", "--eval-tasks", "8", "--checkpoint-interval", "1", "--max-lag", "2",
         "--learners", "embedded-llama=2",
     ]  # fmt: skip
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -86,11 +74,7 @@ def test_two_base_models_train_as_two_groups_survive_a_kill_and_resume(tmp_path:
         assert pid is not None, "the Qwen2 group's learner is not running"
         os.kill(pid, signal.SIGKILL)
         at_kill = len(group_rows(run, GROUPS[0]))
-        wait_for(
-            lambda: len(group_rows(run, GROUPS[0])) > at_kill and len(group_rows(run, GROUPS[1])) >= 3,
-            "steps of both groups after the kill",
-            first,
-        )
+        wait_for(lambda: len(group_rows(run, GROUPS[0])) > at_kill, "a step of the restarted group", first)
         first.send_signal(signal.SIGTERM)
         out1, _ = first.communicate(timeout=240)
     finally:
@@ -100,7 +84,7 @@ def test_two_base_models_train_as_two_groups_survive_a_kill_and_resume(tmp_path:
     assert first.returncode == 130, out1[-5000:]
     assert "learner-embedded-v1-0 exited with" in out1 and "restarting it (1/3)" in out1, out1[-5000:]
     assert "3 learner rank(s) in 2 groups (embedded-v1, embedded-llama)" in out1
-    assert any(len(group_rows(run, g)) < STEPS for g in GROUPS), "the run finished before it was stopped"
+    assert len(group_rows(run, GROUPS[0])) < STEPS, "the killed group finished before the run was stopped"
 
     second = subprocess.run([*cli, "--resume", str(run)], capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, (second.stdout + second.stderr)[-5000:]

@@ -40,6 +40,13 @@ def smooth(ys: list[float], k: int = 10) -> list[float]:
     return out
 
 
+def group_metrics(run_dir: Path) -> dict[str, list[dict]]:
+    """Each learner group's metrics rows: ``{"": RUN/metrics.jsonl}`` for a one-base run, else one
+    entry per ``RUN/groups/<model id>/metrics.jsonl`` (a team of different models)."""
+    groups = {g.name: read_jsonl(g / "metrics.jsonl") for g in sorted((run_dir / "groups").glob("*"))}
+    return groups or {"": read_jsonl(run_dir / "metrics.jsonl")}
+
+
 def plot_run(run_dir: Path) -> list[Path]:
     """Write reward_steps.png, reward_time.png and grad_norm.png into ``run_dir/plots``; return their paths."""
     import matplotlib
@@ -47,7 +54,8 @@ def plot_run(run_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    groups = group_metrics(run_dir)
+    rows = [r for g in groups.values() for r in g]
     evals = read_jsonl(run_dir / "eval.jsonl")
     out_dir = run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -57,10 +65,14 @@ def plot_run(run_dir: Path) -> list[Path]:
         ("time", "wall time (s)", "reward_time.png"),
     ):
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-        xs, ys = _series(rows, "reward_mean", x)
-        if xs:
-            ax.plot(xs, ys, alpha=0.25, color="tab:blue")
-            ax.plot(xs, smooth(ys), color="tab:blue", label="train reward (batch mean, smoothed)")
+        colors = ("tab:blue", "tab:green", "tab:purple", "tab:olive", "tab:cyan", "tab:brown")
+        for i, (group, grows) in enumerate(groups.items()):
+            color = colors[i % len(colors)]
+            xs, ys = _series(grows, "reward_mean", x)
+            if xs:
+                who = f", {group}" if group else ""
+                ax.plot(xs, ys, alpha=0.25, color=color)
+                ax.plot(xs, smooth(ys), color=color, label=f"train reward (batch mean{who}, smoothed)")
         ex, ey = _series(evals, "reward_mean", x)
         if ex:
             ax.plot(ex, ey, "o-", color="tab:red", label="held-out reward")

@@ -262,6 +262,14 @@ def load_run(path: Path, sample_files: int = 20) -> Run:
     run = Run(path=path)
     _read_config(run)
     metrics = path / "metrics.jsonl"
+    groups = sorted(g for g in (path / "groups").glob("*") if (g / "metrics.jsonl").exists())
+    if not metrics.exists() and groups:  # a team of different models: one learner group per base
+        metrics = groups[0] / "metrics.jsonl"
+        others = ", ".join(str(g) for g in groups[1:])
+        run.notes.append(
+            f"learner groups: {', '.join(g.name for g in groups)}; steps shown are "
+            f"{groups[0].name}'s (teamrl show {others} for the others' metrics)"
+        )
     if metrics.exists():
         run.metrics = read_jsonl(metrics, run)
     else:

@@ -177,3 +177,23 @@ def test_teamrl_run_sizes_the_budget_from_lag_step_and_ranks(tmp_path: Path) -> 
     two = plan(parse_args([*argv, "--learners", "2"], "teamrl run", None, "r"), build=False)
     assert one.config["rollout"]["max_groups_per_version"] == 3 * 4
     assert two.config["rollout"]["max_groups_per_version"] == 3 * 4 * 2
+
+
+def test_plots_and_show_read_each_groups_metrics(tmp_path: Path) -> None:
+    from teamrl.cli.plots import group_metrics, plot_run
+    from teamrl.cli.show import load_run
+
+    for g, reward in (("embedded-v1", 0.25), ("embedded-llama", 0.75)):
+        d = tmp_path / "groups" / g
+        d.mkdir(parents=True)
+        rows = [
+            {"step": s, "version": s + 1, "time": float(s), "reward_mean": reward, "grad_norm/x": 1.0}
+            for s in range(3)
+        ]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert {g: len(r) for g, r in group_metrics(tmp_path).items()} == {"embedded-llama": 3, "embedded-v1": 3}
+    assert all(p.stat().st_size > 1000 for p in plot_run(tmp_path))
+    run = load_run(tmp_path)
+    assert len(run.metrics) == 3 and any(
+        "learner groups: embedded-llama, embedded-v1" in n for n in run.notes
+    )

@@ -19,10 +19,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -321,6 +319,34 @@ def test_service_builds_one_engine_and_applier_per_base(tmp_path: Path) -> None:
     assert svc.not_ready_reason() == "engine starting (embedded-v1, second)"
 
 
+def test_an_adapter_announced_on_another_bases_link_is_refused_naming_adapter_agents_and_models(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Learner groups that disagree with the rollout's workflow: the verifier's adapter (model
+    ``second``) announced on the link of ``embedded-v1`` is refused (``wrong_base``, counted) before
+    anything is fetched or loaded, and the base keeps its version."""
+    from teamrl.protocol.control import InlineWeights, Probe, WeightsPublished
+    from teamrl.rollout import metrics as M
+
+    svc = RolloutService(two_base_cfg(tmp_path), buffer="tcp://127.0.0.1:9", weights=None)
+    applier = svc.bases["embedded-v1"].applier
+    msg = WeightsPublished(
+        announce_seq=0,
+        version=1,
+        adapters={"verifier-lora": "verifier-lora"},
+        location=InlineWeights(chunks=[b"not fetched"]),
+        sha256="0" * 64,
+        probe=Probe(prompt_ids=[1], completion_ids=[2], expected_logprobs=[-1.0], atol=0.1),
+    )
+    before = M.ADAPTER_FAILURES.labels("wrong_base")._value.get()
+    with caplog.at_level("WARNING", logger="teamrl.rollout"):
+        assert asyncio.run(applier.apply_weights(msg)) is False
+    assert M.ADAPTER_FAILURES.labels("wrong_base")._value.get() == before + 1
+    text = caplog.text
+    assert "adapter 'verifier-lora'" in text and "runs on model 'second' (agents ['verifier'])" in text
+    assert "link of model 'embedded-v1'" in text and svc.bases["embedded-v1"].engine.version == 0
+
+
 class FakeEval:
     def __init__(self) -> None:
         self.calls = 0
@@ -420,10 +446,17 @@ def test_two_bases_on_vllm_route_agents_and_follow_their_own_learner(
 ) -> None:
     import hashlib
 
-    from test_rollout_service import COMPLETION, PROMPT, free_port, http_get, make_adapters, metric
+    from test_rollout_service import (
+        COMPLETION,
+        PROMPT,
+        FrameCollector,
+        free_port,
+        http_get,
+        make_adapters,
+        metric,
+    )
 
     from teamrl.protocol.adapters import write_adapter_payload
-    from teamrl.protocol.codec import decode_trajectories
     from teamrl.protocol.control import InlineWeights, Probe, WeightsPublished
     from teamrl.protocol.zmq_transport import WeightsPublisher, ZmqDataReceiver, latest_endpoint_for
 
@@ -457,24 +490,8 @@ def test_two_bases_on_vllm_route_agents_and_follow_their_own_learner(
         stderr=subprocess.STDOUT,
         env={**os.environ},
     )
-    frames: list[list] = []
-
-    def pump(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            f = receiver.recv(100)
-            if f is not None:
-                frames.append(decode_trajectories(f.payload))
-                receiver.ack(f)
-
-    def wait(pred, seconds: float, what: str) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            pump(0.5)
-            assert proc.poll() is None, log.read_text()[-4000:]
-        raise AssertionError(f"timed out waiting for {what}\n{log.read_text()[-3000:]}")
+    collector = FrameCollector(receiver, proc, log)
+    frames, wait = collector.frames, collector.wait
 
     try:
         wait(lambda: http_get(mport, "/readyz")[0] == 200, 420, "/readyz (two engines)")
@@ -509,12 +526,7 @@ def test_two_bases_on_vllm_route_agents_and_follow_their_own_learner(
         assert metric(mport, "teamrl_rollout_version_lag", '{model="embedded-v1"}') == 0
         assert len(eval_file.read_text().splitlines()) == 1  # the lowest version is still 0
 
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            pump(0.2)
-        pump(1.0)
-        assert proc.returncode == 0, log.read_text()[-3000:]
+        collector.drain()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -99,6 +99,41 @@ def metric(port: int, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+class FrameCollector:
+    """The test's side of a rollout's data link: receive and ack its frames (decoded, in order)
+    while waiting for a condition; the rollout's log on failure or exit."""
+
+    def __init__(self, receiver, proc: subprocess.Popen, log: Path) -> None:
+        self.receiver, self.proc, self.log = receiver, proc, log
+        self.frames: list[list] = []
+
+    def pump(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            f = self.receiver.recv(100)
+            if f is not None:
+                self.frames.append(decode_trajectories(f.payload))
+                self.receiver.ack(f)
+
+    def wait(self, pred, seconds: float, what: str) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            self.pump(0.5)
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
+        raise AssertionError(f"timed out waiting for {what}\n{self.log.read_text()[-3000:]}")
+
+    def drain(self) -> None:
+        """SIGTERM the rollout and take every frame it flushes until it exits (with code 0)."""
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.pump(0.2)
+        self.pump(1.0)
+        assert self.proc.returncode == 0, self.log.read_text()[-3000:]
+
+
 def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_path: Path) -> None:
     from teamrl.learner.modelbuild import build
 
@@ -140,24 +175,8 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
         stderr=subprocess.STDOUT,
         env={**os.environ},
     )
-    frames: list[list] = []
-
-    def pump(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            f = receiver.recv(100)
-            if f is not None:
-                frames.append(decode_trajectories(f.payload))
-                receiver.ack(f)
-
-    def wait(pred, seconds: float, what: str) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            pump(0.5)
-            assert proc.poll() is None, log.read_text()[-4000:]
-        raise AssertionError(f"timed out waiting for {what}\n{log.read_text()[-3000:]}")
+    collector = FrameCollector(receiver, proc, log)
+    frames, wait = collector.frames, collector.wait
 
     try:
         wait(lambda: http_get(mport, "/readyz")[0] == 200, 300, "/readyz")
@@ -232,12 +251,7 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
         )
         assert not any("profile_version" in t.metadata for t in frames[-1])
 
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            pump(0.2)
-        pump(1.0)
-        assert proc.returncode == 0, log.read_text()[-3000:]
+        collector.drain()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -141,9 +141,9 @@ class RolloutConfig(BaseModel):
     max_groups_per_version: int = Field(
         0,
         ge=0,
-        description="start at most this many groups while the lowest live adapter version stays the same "
-        "(more would only be dropped as stale or evicted unread; teamrl run sets (max lag + 1) x the "
-        "groups of a step); 0 = no limit",
+        description="start at most this many groups while no base's live adapter version changes (more "
+        "would only be dropped as stale or evicted unread; teamrl run sets (max lag + 1) x the groups "
+        "of a step x the ranks of a group); 0 = no limit",
     )
     eval_interval: int = Field(0, ge=0, description="replica 0: evaluate held-out tasks every N versions")
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
@@ -464,18 +464,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class VersionBudget:
-    """At most ``per_version`` groups started while the lowest live adapter version stays the same
-    (AReaL's staleness control on the producer side): a learner that is slow, restarting or done
-    leaves the rollout idle instead of flooding the buffer with data it will drop as stale or evict
-    unread, which on shared cores also starves that learner. 0: no limit."""
+    """At most ``per_version`` groups started while the live adapter versions stay the same
+    (AReaL's staleness control on the producer side): learners that are slow, restarting or done
+    leave the rollout idle instead of flooding the buffer with data it will drop as stale or evict
+    unread, which on shared cores also starves a restarting learner. Any base's new version refills
+    it, so one learner group that is down does not stop the others' data. 0: no limit."""
 
     def __init__(self, per_version: int) -> None:
         self.per_version = per_version
-        self.version = -1
+        self.version: Any = None
         self.started = 0
 
-    def take(self, version: int) -> bool:
-        """True (and counted) if one more group may start at ``version``."""
+    def take(self, version: Any) -> bool:
+        """True (and counted) if one more group may start at ``version`` (the live versions)."""
         if version != self.version:
             self.version, self.started = version, 0
         if self.per_version and self.started >= self.per_version:
@@ -631,6 +632,10 @@ class RolloutService:
         """The lowest adapter version live over the bases that follow a learner (0: none yet)."""
         return min((b.engine.version for b in self.bases.values() if b.plan.weights), default=0)
 
+    def live_versions(self) -> tuple[int, ...]:
+        """The adapter version live on each base (in ``bases`` order)."""
+        return tuple(b.engine.version for b in self.bases.values())
+
     # --- episodes -----------------------------------------------------------------------------
 
     async def run_group(self, task: dict, seeds: list[int], group_no: int) -> None:
@@ -709,7 +714,7 @@ class RolloutService:
                 if self.cfg.max_groups and self.groups_done + len(inflight) >= self.cfg.max_groups:
                     if not inflight:
                         break
-                elif len(inflight) < self.cfg.groups_in_flight and budget.take(self.live_version()):
+                elif len(inflight) < self.cfg.groups_in_flight and budget.take(self.live_versions()):
                     if not order:
                         order = tasks[:]
                         rng.shuffle(order)

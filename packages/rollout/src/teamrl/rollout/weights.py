@@ -4,7 +4,8 @@
 weights PUB, heals gaps through its "latest" endpoint, and applies each announcement: fetch the
 payload (inline chunks or the shared folder), check its sha256, unpack safely, load it into vLLM as
 ``<adapter>@v<version>`` and reproduce every probe; only then do new requests use it. A refusal
-(checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank, bad_targets) is
+(checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank, bad_targets,
+wrong_base) is
 logged and counted, and generation goes on with the last good version. LangMARL profile versions
 travel on the same sockets and are adopted here too. docs/architecture.md §8 ("WeightsPublished
 and the hot-load") describes the checks.
@@ -130,6 +131,7 @@ class WeightsApplier:
         try:
             if msg.version <= self.engine.version and self.engine.adapter_versions():
                 raise AdapterRefused("stale_version", f"v{msg.version} <= v{self.engine.version} in use")
+            self._check_base(msg)
             # hashing (and, inline, unpacking) reads every adapter byte: off the event loop
             folders = await asyncio.to_thread(self._checked_folders, msg)
             res = await self.engine.load_version(
@@ -165,6 +167,31 @@ class WeightsApplier:
         )
         self.gauge_versions()
         return True
+
+    def _check_base(self, msg: Any) -> None:
+        """Every announced adapter is one the workflow trains on this link's base model: a learner
+        group configured for another workflow or base (README, "Teams of different models") is
+        refused (``wrong_base``), naming the adapter, its agents and both models."""
+        from teamrl.rollout.engine import AdapterRefused
+
+        wf = getattr(self.runner, "workflow", None)
+        if wf is None or not self.model_id:
+            return
+        for name in dict.fromkeys(msg.adapters.values()):
+            spec = wf.adapters.get(name)
+            if spec is None or spec.model != self.model_id:
+                agents = [a.id for a in wf.agents if a.adapter == name]
+                where = (
+                    f"runs on model {spec.model!r} (agents {agents})"
+                    if spec
+                    else "is not one of its adapters"
+                )
+                raise AdapterRefused(
+                    "wrong_base",
+                    f"v{msg.version} on the link of model {self.model_id!r} names adapter {name!r}, which "
+                    f"in workflow {wf.name!r} {where}: the learner group and the rollout disagree on "
+                    "the workflow",
+                )
 
     def _checked_folders(self, msg: Any) -> Any:
         """The announcement's adapter folders, their sha256 checked; raises ``AdapterRefused``."""
