@@ -76,4 +76,7 @@ def test_step_columns_give_the_per_step_metrics():
     for agent, values in by_agent.items():
         assert got[agent] == pytest.approx(sum(values) / len(values))
     assert cols.traj_reward.tolist() == [t.reward for t in trajs]
+    one = steps[0].agent_id  # a learner group's own steps: their versions only
+    assert cols.versions_of([one]).tolist() == [s.policy_version for s in steps if s.agent_id == one]
+    assert cols.versions_of(None).tolist() == cols.policy_version.tolist()
     assert [t.episode_id for t in trajectory_objects(batches)] == [t.episode_id for t in trajs]

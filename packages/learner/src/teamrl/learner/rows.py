@@ -111,6 +111,14 @@ class StepColumns:
             traj_reward=cat([b.reward for b in batches] or [np.zeros(0)]),
         )
 
+    def versions_of(self, agents: list[str] | None = None) -> np.ndarray:
+        """Policy versions of the steps by ``agents`` (all steps when None): a learner group's own
+        steps, whose versions are of its base (another group's count on another sequence)."""
+        if agents is None:
+            return self.policy_version
+        codes = [i for i, a in enumerate(self.agents) if a in set(agents)]
+        return self.policy_version[np.isin(self.agent_codes, codes)]
+
     def mean_reward_by_agent(self) -> dict[str, float]:
         sums = np.bincount(self.agent_codes, self.reward, minlength=len(self.agents))
         counts = np.bincount(self.agent_codes, minlength=len(self.agents))

@@ -322,7 +322,7 @@ class LearnerService:
                 pub = self.publish()
         dt = time.perf_counter() - t0
         self._gauge_step(dt, waited, metrics_of_step)
-        lags = self.version - 1 - steps.policy_version
+        lags = self.version - 1 - steps.versions_of(self.cfg.group_agents or None)
         return {
             "step": self.step - 1,
             "time": time.time() - t_begin,
@@ -340,12 +340,12 @@ class LearnerService:
         }
 
     def _observe_lags(self, steps: Any) -> None:
-        """Each sampled step's version lag (versions behind the current one) into the histogram."""
+        """Each sampled step's version lag (versions behind the current one) into the histogram; a
+        learner group counts its own agents' steps (their versions are of its base)."""
         import numpy as np
 
-        lag_values, lag_counts = np.unique(
-            np.maximum(0, self.version - steps.policy_version), return_counts=True
-        )
+        own = steps.versions_of(self.cfg.group_agents or None)  # a group: its base's versions only
+        lag_values, lag_counts = np.unique(np.maximum(0, self.version - own), return_counts=True)
         for lag, count in zip(lag_values.tolist(), lag_counts.tolist(), strict=True):
             for _ in range(count):
                 M.VERSION_LAG.observe(lag)
