@@ -139,7 +139,7 @@ def train(run: Path, workflow: str, model: Path | str, extra: list[str] = ()) ->
         for a in adapters:
             assert (run / "adapters" / f"v{v}" / a / "adapter_config.json").is_file(), (v, a)
     log = (run / "logs" / "rollout-0.log").read_text()
-    live = re.findall(r"adapters v(\d+) live \(probe error .*; (\d+) of (\d+) adapters probed\)", log)
+    live = re.findall(r"adapters v(\d+) live on \S+ \(probe error .*; (\d+) of (\d+) adapters probed\)", log)
     versions_live = [int(v) for v, _, _ in live]
     assert versions_live and versions_live == sorted(versions_live) and versions_live[-1] == 2, log[-3000:]
     assert all(int(k) == int(n) == len(adapters) for _, k, n in live), live  # each adapter its own probe

@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a short live ``teamrl run`` and answers every query deploy/ ships.
 
-The run (buffer, learner, one rollout over ZeroMQ; ``--max-lag 0`` so that stale drops and
-evictions happen in a few steps) exports the real ``teamrl_*`` metrics. A Prometheus server
+The run (buffer, learner, one rollout over ZeroMQ; ``--max-lag 0`` and a rollout not held back by
+``max_groups_per_version`` so that stale drops and evictions happen in a few steps) exports the real ``teamrl_*`` metrics. A Prometheus server
 (Debian package ``prometheus``; ``make setup`` installs it where apt works) scrapes it every second,
 with the ``namespace`` label a cluster's ServiceMonitor scrape adds. Through Prometheus's HTTP API:
 
@@ -129,6 +129,7 @@ def test_prometheus_answers_every_dashboard_and_autoscaler_query(tmp_path: Path)
     argv += ["--steps", str(STEPS)]
     argv += ["--tasks-per-step", "2", "--group-size", "4", "--eval-interval", "1000", "--eval-tasks", "4"]
     argv += ["--max-lag", "0", "--checkpoint-interval", "1000", "--threads-per-service", "1"]
+    argv += ["--set", "rollout.max_groups_per_version=0"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -195,16 +195,7 @@ def resolved_config(
     several = len(team.bases) > 1
     first = next(iter(team.bases.values()))
     cfg = {
-        "buffer": {
-            "group_size": args.group_size,
-            "min_size": batch,
-            "max_policy_lag": args.max_lag,
-            "max_times_sampled": 1,
-            "sampler": "fifo",
-            "capacity": 20 * batch,
-            "fsync": False,
-            "checkpoint_interval_s": 0.5,
-        },
+        "buffer": _buffer_table(args, batch),
         "learner": {
             **({} if several else _base_learner_table(first, several)),  # several: in [groups.<id>]
             "batch_size": batch,
@@ -249,6 +240,20 @@ def resolved_config(
             for m, d in team.model_dirs.items()
         }
     return cfg
+
+
+def _buffer_table(args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """FIFO groups, each sampled once, held up to 20 steps' worth, staleness bound ``--max-lag``."""
+    return {
+        "group_size": args.group_size,
+        "min_size": batch,
+        "max_policy_lag": args.max_lag,
+        "max_times_sampled": 1,
+        "sampler": "fifo",
+        "capacity": 20 * batch,
+        "fsync": False,
+        "checkpoint_interval_s": 0.5,
+    }
 
 
 def _base_learner_table(base: Any, several: bool) -> dict[str, Any]:

@@ -324,6 +324,20 @@ def _rows(
     return TrajectoryBatch.from_trajectories(items).rows()
 
 
+def _fill(order: Iterable[int], sizes: list[int], batch_size: int) -> tuple[list[int], int]:
+    """Candidates in ``order`` while they fit in ``batch_size`` (the first always): (chosen, total)."""
+    chosen: list[int] = []
+    total = 0
+    for i in order:
+        if chosen and total + sizes[i] > batch_size:
+            continue
+        chosen.append(i)
+        total += sizes[i]
+        if total >= batch_size:
+            break
+    return chosen, total
+
+
 class ReplayBuffer:
     """Admission, groups, rate limiting and sampling; plain arguments (see ``BufferConfig``).
 
@@ -692,27 +706,8 @@ class ReplayBuffer:
         the window, so its hint is the announcement the window is measured from."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        try:
-            view = view_name(agent_id, agent_ids)
-        except InvalidView:
-            self.count_rejected(InvalidView.reason)
-            raise
-        if not trusted and min_policy_version > self.version_ceiling():
-            self.count_rejected(VersionOutOfRange.reason)
-            raise VersionOutOfRange(
-                f"min_policy_version {min_policy_version} is more than version_window={self.version_window} "
-                f"above the current version {self.current_version}"
-            )
-        if min_policy_version >= 0 and self.max_policy_lag is not None:
-            hint = min_policy_version + self.max_policy_lag
-            self.current_version = max(self.current_version, hint)
-            if model_id is not None:
-                # only data or a trusted learner adds a base: untrusted names cannot grow the table
-                if trusted or model_id in self.current_versions:
-                    self.current_versions[model_id] = max(self.current_version_of(model_id), hint)
-            else:
-                self._hint_version = max(self._hint_version, hint)
-                self.current_versions = {m: max(v, hint) for m, v in self.current_versions.items()}
+        view = self._checked_view(agent_id, agent_ids, min_policy_version, trusted)
+        self._take_hint(model_id, min_policy_version, trusted)
         if model_id is None:
             self._evict_stale(min_policy_version)
         else:
@@ -722,30 +717,20 @@ class ReplayBuffer:
                 "not_enough_data", f"{self._size} trajectories held, min_size {self.limiter.min_size}"
             )
         rnd = self._rounds.get(view, {}).get(rank, 0)
-        candidates: list[tuple[_Group, list[_Item]]] = []
-        for g in self._groups.values():
-            if g.taken.get(view, {}).get(rnd, rank) != rank:
-                continue
-            items = self._eligible_items(g, view)
-            if items:
-                candidates.append((g, items))
+        candidates = [
+            (g, items)
+            for g in self._groups.values()
+            if g.taken.get(view, {}).get(rnd, rank) == rank and (items := self._eligible_items(g, view))
+        ]
         if not candidates:
             shown = view.replace(VIEW_SEP, ",") or "whole"
             return Refused("not_enough_data", f"no group left for rank {rank} (view {shown!r})")
         order, probs = self._order([g for g, _ in candidates])
-        chosen: list[int] = []
-        total = 0
-        for i in order:
-            k = len(candidates[i][1])
-            if chosen and total + k > batch_size:
-                continue
-            chosen.append(i)
-            total += k
-            if total >= batch_size:
-                break
+        chosen, total = _fill(order, [len(items) for _, items in candidates], batch_size)
         why = self.limiter.refuse_sample(total, self._size)
         if why is not None:
             return Refused(why, f"{total} samples now would leave diff {self.limiter.diff - total}")
+        iw = None
         if probs is not None:
             iw = (len(candidates) * probs) ** -self.beta
             iw = iw / iw.max()
@@ -757,8 +742,9 @@ class ReplayBuffer:
                 it.sampled[view] = it.sampled.get(view, 0) + 1
                 out.rows.append(it.row)
                 out.keys.append(it.key)
-                w = self._stale_weight(it, model_id) * (float(iw[i]) if probs is not None else 1.0)
-                out.weights.append(w)
+                out.weights.append(
+                    self._stale_weight(it, model_id) * (float(iw[i]) if iw is not None else 1.0)
+                )
             self._drop_exhausted(g)
         self._rounds.setdefault(view, {})[rank] = rnd + 1
         self._prune_taken(view)
@@ -767,6 +753,38 @@ class ReplayBuffer:
         SAMPLED.inc(total)
         BUFFER_SIZE.set(self._size)
         return out
+
+    def _checked_view(
+        self, agent_id: str | None, agent_ids: Iterable[str] | None, min_policy_version: int, trusted: bool
+    ) -> str:
+        """The request's view name; a malformed agent list (``InvalidView``) or an untrusted hint above
+        the version window (``VersionOutOfRange``) is counted and raised before anything changes."""
+        try:
+            view = view_name(agent_id, agent_ids)
+        except InvalidView:
+            self.count_rejected(InvalidView.reason)
+            raise
+        if not trusted and min_policy_version > self.version_ceiling():
+            self.count_rejected(VersionOutOfRange.reason)
+            raise VersionOutOfRange(
+                f"min_policy_version {min_policy_version} is more than version_window={self.version_window} "
+                f"above the current version {self.current_version}"
+            )
+        return view
+
+    def _take_hint(self, model_id: str | None, min_policy_version: int, trusted: bool) -> None:
+        """A learner's ``min_policy_version`` raises the current version (of its base, or of all)."""
+        if min_policy_version < 0 or self.max_policy_lag is None:
+            return
+        hint = min_policy_version + self.max_policy_lag
+        self.current_version = max(self.current_version, hint)
+        if model_id is not None:
+            # only data or a trusted learner adds a base: untrusted names cannot grow the table
+            if trusted or model_id in self.current_versions:
+                self.current_versions[model_id] = max(self.current_version_of(model_id), hint)
+        else:
+            self._hint_version = max(self._hint_version, hint)
+            self.current_versions = {m: max(v, hint) for m, v in self.current_versions.items()}
 
     def _drop_exhausted(self, g: _Group) -> None:
         keep = []

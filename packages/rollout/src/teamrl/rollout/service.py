@@ -216,7 +216,6 @@ def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None
     RolloutConfigError, naming the model id and the field, before any engine starts: a model id
     that is not the workflow's, a workflow model an agent runs on with no engine, a base with
     trained agents and no weights endpoint, a ``path`` without config.json."""
-    from teamrl.rollout.runner import served_model, trained_models, used_models
     from teamrl.rollout.workflow import WorkflowError
     from teamrl.rollout.workflows import load
 
@@ -225,42 +224,51 @@ def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None
         wf = load(cfg.workflow)
     except WorkflowError as e:
         raise RolloutConfigError(f"workflow = {cfg.workflow!r}: {e}") from None
-    used, trained = used_models(wf), trained_models(wf)
-
-    def agents_on(model_id: str) -> list[str]:
-        return [a.id for a in wf.agents if a.model == model_id]
-
     if not cfg.models:
-        key = served_model(wf)
-        if key is None:
+        return _one_base(cfg, wf, plain, keyed)
+    return _several_bases(cfg, wf, plain, keyed)
+
+
+def _agents_on(wf: Any, model_id: str) -> list[str]:
+    return [a.id for a in wf.agents if a.model == model_id]
+
+
+def _one_base(cfg: RolloutConfig, wf: Any, plain: str | None, keyed: dict[str, str]) -> dict[str, ServedBase]:
+    """The one-engine case (no ``[rollout.models]``): every agent must run on the served model."""
+    from teamrl.rollout.runner import served_model, trained_models, used_models
+
+    used = used_models(wf)
+    key = served_model(wf)
+    if key is None:
+        raise RolloutConfigError(
+            f"workflow {wf.name!r} trains agents on base models {trained_models(wf) or used}, and model "
+            "serves one: set [rollout.models.<model id>] (path, weights) for each of them"
+        )
+    missing = [m for m in used if m != key]
+    if missing:
+        m = missing[0]
+        raise RolloutConfigError(
+            f"workflow {wf.name!r} runs agents {_agents_on(wf, m)} on model {m!r}, which has no engine "
+            f"here (model serves {key!r}): set [rollout.models.<model id>] (path, weights) for each"
+        )
+    for model_id in keyed:
+        if model_id != key:
             raise RolloutConfigError(
-                f"workflow {wf.name!r} trains agents on base models {trained or used}, and model "
-                "serves one: set [rollout.models.<model id>] (path, weights) for each of them"
+                f"--weights {model_id}=...: {model_id!r} is not the base model this service runs ({key!r})"
             )
-        missing = [m for m in used if m != key]
-        if missing:
-            m = missing[0]
-            raise RolloutConfigError(
-                f"workflow {wf.name!r} runs agents {agents_on(m)} on model {m!r}, which has no engine "
-                f"here (model serves {key!r}): set [rollout.models.<model id>] (path, weights) for each"
-            )
-        for model_id in keyed:
-            if model_id != key:
-                raise RolloutConfigError(
-                    f"--weights {model_id}=...: {model_id!r} is not the base model this service runs "
-                    f"({key!r})"
-                )
-        endpoint = plain or keyed.get(key) or DEFAULT_WEIGHTS
-        return {
-            key: ServedBase(
-                key,
-                cfg.model,
-                cfg.max_lora_rank,
-                tuple(cfg.lora_target_modules),
-                endpoint,
-                cfg.start_version,
-            )
-        }
+    endpoint = plain or keyed.get(key) or DEFAULT_WEIGHTS
+    base = ServedBase(
+        key, cfg.model, cfg.max_lora_rank, tuple(cfg.lora_target_modules), endpoint, cfg.start_version
+    )
+    return {key: base}
+
+
+def _several_bases(
+    cfg: RolloutConfig, wf: Any, plain: str | None, keyed: dict[str, str]
+) -> dict[str, ServedBase]:
+    """One engine per ``[rollout.models.<id>]``, each model id the workflow's, each agent's model
+    served, each trained base with a weights endpoint and a model folder."""
+    from teamrl.rollout.runner import trained_models, used_models
 
     for model_id in cfg.models:
         if model_id not in wf.models:
@@ -268,10 +276,10 @@ def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None
                 f"models.{model_id}: workflow {wf.name!r} has no model {model_id!r} "
                 f"(its models: {sorted(wf.models)})"
             )
-    for model_id in used:
+    for model_id in used_models(wf):
         if model_id not in cfg.models:
             raise RolloutConfigError(
-                f"models.{model_id}: workflow {wf.name!r} runs agents {agents_on(model_id)} on model "
+                f"models.{model_id}: workflow {wf.name!r} runs agents {_agents_on(wf, model_id)} on model "
                 f"{model_id!r}, which has no engine here: add [rollout.models.{model_id}] with its path"
             )
     for model_id in keyed:
@@ -285,13 +293,14 @@ def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None
             f"--weights {plain}: this service runs {len(cfg.models)} base models ({sorted(cfg.models)}); "
             "give --weights MODEL_ID=ENDPOINT for each (or models.<model id>.weights)"
         )
+    trained = trained_models(wf)
     bases: dict[str, ServedBase] = {}
     for model_id, m in cfg.models.items():
         endpoint = keyed.get(model_id) or plain or m.weights
         if not endpoint and model_id in trained:
             raise RolloutConfigError(
                 f"models.{model_id}.weights: no weights endpoint for base {model_id!r} (agents "
-                f"{agents_on(model_id)} train on it): set it, or --weights {model_id}=ENDPOINT"
+                f"{_agents_on(wf, model_id)} train on it): set it, or --weights {model_id}=ENDPOINT"
             )
         if not endpoint and m.start_version:
             raise RolloutConfigError(
@@ -303,12 +312,7 @@ def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None
                 f"models.{model_id}.path = {m.path!r}: no config.json there (not a model folder)"
             )
         bases[model_id] = ServedBase(
-            model_id,
-            m.path,
-            m.max_lora_rank,
-            tuple(m.lora_target_modules),
-            endpoint,
-            m.start_version,
+            model_id, m.path, m.max_lora_rank, tuple(m.lora_target_modules), endpoint, m.start_version
         )
     return bases
 
