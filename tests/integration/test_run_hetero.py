@@ -13,6 +13,7 @@ evaluated, with each base's version in the evaluation row.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -88,19 +89,23 @@ def test_two_base_models_train_as_two_groups_survive_a_kill_and_resume(tmp_path:
 
     second = subprocess.run([*cli, "--resume", str(run)], capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, (second.stdout + second.stderr)[-5000:]
+    finals = {}
     for g in GROUPS:
         m = group_rows(run, g)
         assert [r["step"] for r in m] == list(range(STEPS)), f"{g}: a step is missing or repeated"
+        # strictly increasing; a version published after the last checkpoint is skipped on restart,
+        # never issued twice (teamrl.learner.resume), so the last may be above the step count
         versions = [r["version"] for r in m]
-        assert versions == sorted(versions) and versions[-1] == STEPS, (g, versions)
+        assert all(a < b for a, b in itertools.pairwise(versions)) and versions[-1] >= STEPS, (g, versions)
+        finals[g] = versions[-1]
         # each group recomputes its own agents' log-probs on its own base, as that base's engine did
         gaps = [r["logprob_gap"] for r in m if r["logprob_gap"] == r["logprob_gap"]]  # NaN: no fresh rows
         assert gaps and max(gaps) < 0.05, (g, [r["logprob_gap"] for r in m])
         assert "resumed from" in (run / "logs" / f"learner-{g}-0.log").read_text()
     assert {k for k in group_rows(run, GROUPS[1])[-1] if k.startswith("loss/")} == {"loss/verifier-lora"}
     ev = rows(run / "eval.jsonl")
-    assert ev[0]["version"] == 0 and ev[-1]["version"] == STEPS
-    assert ev[-1]["versions"] == dict.fromkeys(GROUPS, STEPS)
+    assert ev[0]["version"] == 0 and ev[-1]["version"] == min(finals.values())
+    assert ev[-1]["versions"] == finals
     assert 0.0 <= ev[-1]["solver_accuracy"] <= 1.0
 
     from teamrl.protocol.codec import decode_trajectories

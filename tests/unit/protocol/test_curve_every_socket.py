@@ -7,6 +7,8 @@ through, and each refusal is counted in ``teamrl_protocol_auth_refused_total{soc
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from pathlib import Path
@@ -185,8 +187,17 @@ def test_weights_pub_and_latest_admit_only_rollouts_and_admin(transport: Transpo
         for s in sockets:
             k = (s, "unknown_key")
             assert _wait_count(s, "unknown_key", before[k] + 1) >= before[k] + 2, s
+            # A loaded machine can miss the monitor event of one refused handshake (seen in CI): a
+            # fresh plaintext peer knocks on both sockets again until one refusal is counted.
             k = (s, "plaintext")
-            assert _wait_count(s, "plaintext", before[k]) >= before[k] + 1, s
+            deadline = time.monotonic() + 30
+            while _count(s, "plaintext") < before[k] + 1 and time.monotonic() < deadline:
+                knock = sub(None)
+                with contextlib.suppress(PeerTimeout):
+                    knock.latest(500)
+                _wait_count(s, "plaintext", before[k], timeout_s=2.0)
+                knock.close()
+            assert _count(s, "plaintext") >= before[k] + 1, s
     finally:
         for s in (rollout, *intruders):
             s.close()
