@@ -8,7 +8,6 @@ through, and each refusal is counted in ``teamrl_protocol_auth_refused_total{soc
 from __future__ import annotations
 
 import contextlib
-
 import threading
 import time
 from pathlib import Path
