@@ -380,9 +380,9 @@ def watch_run(
             learners_done = all(r and r[-1]["step"] + 1 >= args.steps for r in rows.values())
             learners_done |= all(not s.alive for s in sup.services if s.name.startswith("learner"))
             if learners_done:
-                # a team of several bases is evaluated at the lowest version any base has live
-                final = min((r[-1]["version"] if r else 0) for r in rows.values())
-                if not args.eval_interval or any(e.get("version") == final for e in evals):
+                finals = {g: r[-1]["version"] if r else 0 for g, r in rows.items()}
+                final = min(finals.values())
+                if not args.eval_interval or any(final_evaluated(e, finals) for e in evals):
                     return watch
                 final_wait_started = final_wait_started or time.time()
                 if time.time() - final_wait_started > FINAL_EVAL_WAIT_S:
@@ -393,6 +393,14 @@ def watch_run(
                     return watch
     finally:
         view.close()
+
+
+def final_evaluated(row: dict, finals: dict[str, int]) -> bool:
+    """Whether an evaluation row is of every group's final version (a team of several bases: its
+    ``versions``, each base's; one base: its ``version``)."""
+    if list(finals) == [""]:
+        return row.get("version") == finals[""]
+    return row.get("versions") == finals
 
 
 def finish(run_dir: Path, watch: Watch, codes: dict[str, int | None], t_begin: float) -> int:

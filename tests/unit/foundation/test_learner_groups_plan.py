@@ -197,3 +197,12 @@ def test_plots_and_show_read_each_groups_metrics(tmp_path: Path) -> None:
     assert len(run.metrics) == 3 and any(
         "learner groups: embedded-llama, embedded-v1" in n for n in run.notes
     )
+
+
+def test_the_run_ends_on_an_evaluation_of_every_groups_final_version() -> None:
+    from teamrl.cli.run_async import final_evaluated
+
+    finals = {"embedded-v1": 11, "embedded-llama": 10}
+    assert not final_evaluated({"version": 10, "versions": {"embedded-v1": 10, "embedded-llama": 10}}, finals)
+    assert final_evaluated({"version": 10, "versions": dict(finals)}, finals)
+    assert final_evaluated({"version": 7}, {"": 7}) and not final_evaluated({"version": 6}, {"": 7})

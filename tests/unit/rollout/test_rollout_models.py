@@ -380,11 +380,14 @@ def test_evaluation_rows_with_two_bases(tmp_path: Path) -> None:
     asyncio.run(step(3, 2))
     asyncio.run(step(5, 3, f1=True))  # only one base's learner is done
     asyncio.run(step(5, 3, f1=True, f2=True))  # both: evaluate now
+    asyncio.run(step(5, 3, f1=True, f2=True))  # the same final versions again: nothing new
+    asyncio.run(step(6, 3, f1=True, f2=True))  # lowest still 3, but a base moved on: evaluate again
     got = [(r["version"], r["step"], r["versions"]) for r in rows()]
     assert got == [
         (0, 0, {"embedded-v1": 0, "second": 0}),
         (2, 2, {"embedded-v1": 3, "second": 2}),
         (3, 3, {"embedded-v1": 5, "second": 3}),
+        (3, 3, {"embedded-v1": 6, "second": 3}),
     ]
     assert rows()[0]["reward_mean"] == 0.5
 

@@ -38,6 +38,7 @@ class Evaluator:
             self.samples_dir.mkdir(parents=True, exist_ok=True)
         self.held_out = runner.held_out_tasks(cfg.eval_tasks)
         self._evaluated: set[int] = set()
+        self._last_versions: dict[str, int] = {}  # each base's version at the last evaluation
         self._sampled_versions: set[int] = set()
 
     async def maybe_evaluate(
@@ -51,9 +52,15 @@ class Evaluator:
             return
         k = self.eval_interval
         last = max(self._evaluated, default=-1)
-        if v in self._evaluated or not (final or v // k > last // k):
+        seen = v in self._evaluated
+        if final and versions is not None and len(versions) > 1:
+            # several bases: the lowest version may have been evaluated while another base was still
+            # behind its final one; the final row has every base's last version
+            seen = self._last_versions == dict(versions)
+        if seen or not (final or v // k > last // k):
             return
         self._evaluated.add(v)
+        self._last_versions = dict(versions or {})
         t0 = time.time()
         res = await self.runner.evaluate(self.held_out)
         t_run = float(os.environ.get("TEAMRL_RUN_T0", t0))
