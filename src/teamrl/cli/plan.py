@@ -51,11 +51,11 @@ class RunPlan:
 
 
 def learner_table(cfg: dict[str, Any], group: str = "") -> dict[str, Any]:
-    """``[learner]`` with ``[groups.<group>]`` merged over it (a learner group's own table)."""
-    out = copy.deepcopy(cfg["learner"])
-    if group:
-        _merge(out, copy.deepcopy(cfg.get("groups", {})[group]))
-    return out
+    """``[learner]`` with ``[groups.<group>]`` merged over it: the table ``teamrl learner --group``
+    reads (the same merge, ``teamrl.learner.config.group_table``)."""
+    from teamrl.learner.config import group_table
+
+    return group_table(cfg, group)
 
 
 def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = True) -> Path:
@@ -108,7 +108,7 @@ def resolve_models(
     agents use one model gets one folder; one whose agents use several gets ``{id: folder}``, each
     from its ``ID=SPEC``, else the plain ``SPEC``, else the workflow's ``models.<id>.path``, else
     ``embedded``. SPEC is a folder or an embedded model name (:func:`resolve_model`)."""
-    from teamrl.rollout.team import load_source
+    from teamrl.rollout.team import load_source, used_models
 
     wf, _ = load_source(source)
     items = [specs] if isinstance(specs, str) else list(specs or [])
@@ -127,7 +127,7 @@ def resolve_models(
     if len(plain) > 1:
         raise PlanError(f"--model given {len(plain)} times without ID= ({plain}); give ID=DIR for each model")
     default = plain[0] if plain else None
-    used = list(dict.fromkeys(a.model for a in wf.agents))
+    used = used_models(wf)
     if len(used) == 1 and not per:
         return resolve_model(default, workflow_model_path(source), build=build)
     return {m: resolve_model(per.get(m, default), wf.models[m].path, build=build) for m in used}

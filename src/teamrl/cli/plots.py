@@ -43,8 +43,13 @@ def smooth(ys: list[float], k: int = 10) -> list[float]:
 def group_metrics(run_dir: Path) -> dict[str, list[dict]]:
     """Each learner group's metrics rows: ``{"": RUN/metrics.jsonl}`` for a one-base run, else one
     entry per ``RUN/groups/<model id>/metrics.jsonl`` (a team of different models)."""
-    groups = {g.name: read_jsonl(g / "metrics.jsonl") for g in sorted((run_dir / "groups").glob("*"))}
+    groups = {g.name: read_jsonl(g / "metrics.jsonl") for g in group_folders(run_dir)}
     return groups or {"": read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def group_folders(run_dir: Path) -> list[Path]:
+    """``RUN/groups/<model id>`` of each learner group that wrote metrics (none: a one-base run)."""
+    return sorted(g for g in (run_dir / "groups").glob("*") if (g / "metrics.jsonl").is_file())
 
 
 def plot_run(run_dir: Path) -> list[Path]:

@@ -262,7 +262,9 @@ def load_run(path: Path, sample_files: int = 20) -> Run:
     run = Run(path=path)
     _read_config(run)
     metrics = path / "metrics.jsonl"
-    groups = sorted(g for g in (path / "groups").glob("*") if (g / "metrics.jsonl").exists())
+    from teamrl.cli.plots import group_folders
+
+    groups = group_folders(path)
     if not metrics.exists() and groups:  # a team of different models: one learner group per base
         metrics = groups[0] / "metrics.jsonl"
         others = ", ".join(str(g) for g in groups[1:])

@@ -206,3 +206,21 @@ def test_the_run_ends_on_an_evaluation_of_every_groups_final_version() -> None:
     assert not final_evaluated({"version": 10, "versions": {"embedded-v1": 10, "embedded-llama": 10}}, finals)
     assert final_evaluated({"version": 10, "versions": dict(finals)}, finals)
     assert final_evaluated({"version": 7}, {"": 7}) and not final_evaluated({"version": 6}, {"": 7})
+
+
+def test_a_credit_judge_on_its_own_model_needs_a_folder_too(tmp_path: Path) -> None:
+    """The judge generates, so the rollout serves its model: the plan asks for its folder up front."""
+    from test_team_plan import write_workflow
+
+    from teamrl.rollout.workflows import load
+
+    data = load("addition-duo").model_dump(mode="json")
+    models = {**data["models"], "judge-model": {"path": ""}}
+    path = write_workflow(
+        tmp_path / "w.toml", models=models, credit={"rule": "judge", "judge_model": "judge-model"}
+    )
+    dirs = {"embedded-v1": fake_model(tmp_path / "qwen")}
+    with pytest.raises(WorkflowError, match=r"no model folder for 'judge-model'"):
+        plan_team(path, dirs)
+    team = plan_team(path, {**dirs, "judge-model": fake_model(tmp_path / "judge")})
+    assert set(team.model_dirs) == {"embedded-v1", "judge-model"} and list(team.bases) == ["embedded-v1"]

@@ -19,6 +19,7 @@ its table is ``[learner]`` with ``[groups.<model id>]`` merged over it (``--grou
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -345,7 +346,7 @@ def load_learner_config(
     groups = raw.get("groups", {})
     if group not in groups:
         raise LearnerConfigError(f"{path}: no [groups.{group}] table (groups there: {sorted(groups)})")
-    data = _merged(raw.get("learner", {}), groups[group])
+    data = group_table(raw, group)
     apply_overrides(data, list(overrides or []), LearnerConfigError)
     if data.get("group", group) != group:
         raise LearnerConfigError(f"{path} [groups.{group}]: group = {data['group']!r}, not {group!r}")
@@ -355,6 +356,15 @@ def load_learner_config(
         raise LearnerConfigError(
             format_validation_error(err, f"{path} [groups.{group}]", "learner")
         ) from None
+
+
+def group_table(raw: dict[str, Any], group: str = "") -> dict[str, Any]:
+    """A config file's ``[learner]`` with ``[groups.<group>]`` merged over it, key by key (a learner
+    group's own table; ``""``: ``[learner]`` alone). A fresh copy: the caller may change it."""
+    table = raw.get("learner", {})
+    if group:
+        table = _merged(table, raw.get("groups", {})[group])
+    return copy.deepcopy(table)
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from teamrl.rollout.team import split_tasks
+from teamrl.rollout.team import split_tasks, trained_models, used_models
 from teamrl.rollout.workflows import load, shard
 
 __all__ = [
@@ -119,22 +119,6 @@ class WorkflowRunner:
             *[self.episode(t, 0, group_id=f"eval-{i}", greedy=True) for i, t in enumerate(tasks)]
         )
         return workflow_metrics(trajs, self.workflow)
-
-
-def used_models(wf: Any) -> list[str]:
-    """The workflow's base models that generate: each agent's, and the credit judge's (rule
-    ``judge``), in ``[models]`` order."""
-    names = {a.model for a in wf.agents}
-    if wf.credit.rule == "judge" and wf.credit.judge_model:
-        names.add(wf.credit.judge_model)
-    return [m for m in wf.models if m in names]
-
-
-def trained_models(wf: Any) -> list[str]:
-    """The base models of the agents that have an adapter (one learner group each), in ``[models]``
-    order."""
-    names = {a.model for a in wf.agents if a.adapter}
-    return [m for m in wf.models if m in names]
 
 
 def served_model(wf: Any) -> str | None:

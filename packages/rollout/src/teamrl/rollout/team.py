@@ -130,6 +130,22 @@ def split_tasks(wf: Workflow, tasks_path: str | Path | None = None) -> tuple[lis
     return all_tasks[: len(all_tasks) - k], all_tasks[len(all_tasks) - k :]
 
 
+def used_models(wf: Any) -> list[str]:
+    """The workflow's base models that generate: each agent's, and the credit judge's (rule
+    ``judge``), in ``[models]`` order."""
+    names = {a.model for a in wf.agents}
+    if wf.credit.rule == "judge" and wf.credit.judge_model:
+        names.add(wf.credit.judge_model)
+    return [m for m in wf.models if m in names]
+
+
+def trained_models(wf: Any) -> list[str]:
+    """The base models of the agents that have an adapter (one learner group each), in ``[models]``
+    order."""
+    names = {a.model for a in wf.agents if a.adapter}
+    return [m for m in wf.models if m in names]
+
+
 def weight_names(model_dir: str | Path) -> list[str]:
     """Tensor names of a model folder's safetensors files, read from their headers (no torch)."""
     names: list[str] = []
@@ -205,8 +221,9 @@ def plan_team(
 def _model_dirs(
     wf: Workflow, model_dir: str | Path | Mapping[str, str | Path], where: str
 ) -> dict[str, Path]:
-    """model id -> folder for every model an agent uses; each folder must hold a config.json."""
-    used = list(dict.fromkeys(a.model for a in wf.agents))
+    """model id -> folder for every model that generates (the agents', the credit judge's); each
+    folder must hold a config.json."""
+    used = used_models(wf)
     if isinstance(model_dir, Mapping):
         unknown = sorted(set(model_dir) - set(wf.models))
         if unknown:
@@ -216,10 +233,11 @@ def _model_dirs(
         missing = [m for m in used if m not in model_dir]
         if missing:
             users = {m: [a.id for a in wf.agents if a.model == m] for m in missing}
+            who = {m: f"agents {users[m]}" if users[m] else "the credit judge" for m in missing}
             raise WorkflowError(
-                f"{where}: no model folder for {', '.join(f'{m!r} (agents {users[m]})' for m in missing)}; "
+                f"{where}: no model folder for {', '.join(f'{m!r} ({who[m]})' for m in missing)}; "
                 "give one per model (teamrl run --model ID=DIR)",
-                agent=users[missing[0]][0],
+                agent=next((a.id for a in wf.agents if a.model == missing[0]), None),
             )
         dirs = {m: Path(model_dir[m]) for m in used}
     else:
