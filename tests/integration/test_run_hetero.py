@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from test_run_survives_kills import rows
 
+from teamrl.cli.plots import group_dir
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
@@ -35,7 +37,7 @@ GROUPS = ("embedded-v1", "embedded-llama")
 
 
 def group_rows(run: Path, group: str) -> list[dict]:
-    return rows(run / "groups" / group / "metrics.jsonl")
+    return rows(group_dir(run, group) / "metrics.jsonl")
 
 
 def learner_pid(run: Path, group: str) -> int | None:
@@ -47,7 +49,7 @@ def learner_pid(run: Path, group: str) -> int | None:
             text = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().split(b"\0")]
         except OSError:
             continue
-        if "learner" in text and group in text and str(run / "groups" / group) in text:
+        if "learner" in text and group in text and str(group_dir(run, group)) in text:
             return int(d.name)
     return None
 

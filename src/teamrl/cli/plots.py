@@ -47,9 +47,18 @@ def group_metrics(run_dir: Path) -> dict[str, list[dict]]:
     return groups or {"": read_jsonl(run_dir / "metrics.jsonl")}
 
 
+GROUPS = "groups"  # RUN/groups/<model id>/: one learner group's folder in a team of different models
+
+
+def group_dir(run_dir: Path, group: str) -> Path:
+    """A learner group's folder (metrics.jsonl, adapters/, checkpoints/): the run folder itself for a
+    one-base team, ``RUN/groups/<model id>`` for each group of a team of different models."""
+    return run_dir / GROUPS / group if group else run_dir
+
+
 def group_folders(run_dir: Path) -> list[Path]:
     """``RUN/groups/<model id>`` of each learner group that wrote metrics (none: a one-base run)."""
-    return sorted(g for g in (run_dir / "groups").glob("*") if (g / "metrics.jsonl").is_file())
+    return sorted(g for g in (run_dir / GROUPS).glob("*") if (g / "metrics.jsonl").is_file())
 
 
 def plot_run(run_dir: Path) -> list[Path]:

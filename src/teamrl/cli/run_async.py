@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from teamrl.cli.plan import RunPlan, config_toml, learner_ranks
-from teamrl.cli.plots import read_jsonl
+from teamrl.cli.plots import group_dir, read_jsonl
 from teamrl.cli.run_sync import summary
 from teamrl.cli.supervisor import Service, Supervisor
 from teamrl.rollout.cpus import core_shares
@@ -194,12 +194,6 @@ class Wiring:
 def _named(what: str, group: str) -> str:
     """``what`` for a one-base team, ``what_<group>`` for a learner group of a team of several."""
     return f"{what}_{group}" if group else what
-
-
-def group_dir(run_dir: Path, group: str) -> Path:
-    """A learner group's folder (metrics.jsonl, adapters/, checkpoints/): the run folder itself for a
-    one-base team, ``RUN/groups/<model id>`` for each group of a team of different models."""
-    return run_dir / "groups" / group if group else run_dir
 
 
 def prepare_run_dir(args: argparse.Namespace, plan: RunPlan, run_dir: Path, wiring: Wiring) -> float:

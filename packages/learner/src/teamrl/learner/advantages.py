@@ -489,19 +489,7 @@ def token_gae(
     if tuple(next_value.shape) != (b,):
         raise AlgorithmError(f"next_value must be [B] = ({b},), got {tuple(next_value.shape)}")
     g_tok = gamma if token_gamma is None else token_gamma
-    m = masks.to(values.dtype)
-    tm = token_mask.bool()
-    pos = torch.arange(length, device=values.device)
-    # K per action: last valid position + 1 (MARFT); 0 for an action with no valid token.
-    k_len = torch.where(tm, pos + 1, torch.zeros_like(pos)).amax(dim=-1)  # [T, B, N]
-    empty_live = (k_len == 0) & (m[:t_len] > 0)
-    if empty_live.any():
-        raise AlgorithmError(f"{int(empty_live.sum())} live actions have no valid token")
-    valid = (pos < k_len[..., None]) & (m[:t_len, ..., None] > 0)  # [T, B, N, L]
-    is_last = pos == (k_len - 1)[..., None]
-    next_m = torch.cat([m[:t_len, :, 1:], m[1:, :, :1]], dim=2)  # successor action alive
-    disc = torch.where(is_last, gamma * next_m[..., None], torch.full_like(values, g_tok))
-    tok_rewards = torch.where(is_last, rewards[..., None].to(values.dtype), torch.zeros_like(values))
+    tok_rewards, valid, disc = _token_mdp(rewards, values, token_mask, masks, gamma, g_tok)
 
     def flat(x: Tensor) -> Tensor:  # [T, B, N, L] -> [B, T·N·L] in (t, i, j) order
         return x.permute(1, 0, 2, 3).reshape(b, t_len * n * length)
@@ -514,6 +502,29 @@ def token_gae(
         return x.reshape(b, t_len, n, length).permute(1, 0, 2, 3)
 
     return unflat(adv), unflat(ret)
+
+
+def _token_mdp(
+    rewards: Tensor, values: Tensor, token_mask: Tensor, masks: Tensor, gamma: float, token_gamma: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The token MDP :func:`token_gae` runs :func:`gae` on, each [T, B, N, L]: the rewards (an
+    action's reward at its last valid token), which tokens are live, and the discounts (γ_tok inside
+    an action, γ·m of the successor action at its last token). Shapes as checked by :func:`token_gae`."""
+    t_len, length = values.shape[0], values.shape[-1]
+    m = masks.to(values.dtype)
+    tm = token_mask.bool()
+    pos = torch.arange(length, device=values.device)
+    # K per action: last valid position + 1 (MARFT); 0 for an action with no valid token.
+    k_len = torch.where(tm, pos + 1, torch.zeros_like(pos)).amax(dim=-1)  # [T, B, N]
+    empty_live = (k_len == 0) & (m[:t_len] > 0)
+    if empty_live.any():
+        raise AlgorithmError(f"{int(empty_live.sum())} live actions have no valid token")
+    valid = (pos < k_len[..., None]) & (m[:t_len, ..., None] > 0)  # [T, B, N, L]
+    is_last = pos == (k_len - 1)[..., None]
+    next_m = torch.cat([m[:t_len, :, 1:], m[1:, :, :1]], dim=2)  # successor action alive
+    disc = torch.where(is_last, gamma * next_m[..., None], torch.full_like(values, token_gamma))
+    tok_rewards = torch.where(is_last, rewards[..., None].to(values.dtype), torch.zeros_like(values))
+    return tok_rewards, valid, disc
 
 
 def vtrace(

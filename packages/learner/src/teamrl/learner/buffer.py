@@ -1,6 +1,9 @@
 """Replay buffer core: admission by staleness, episode groups, a Reverb-style rate limiter, three
 samplers, and crash-safe persistence. In-process and single-threaded; ``buffer_service`` wraps it
-in ZeroMQ.
+in ZeroMQ. ``ReplayBuffer`` is assembled from parts in modules beside this one: ``buffer_groups``
+(items, pending and held groups, sampler order), ``buffer_views`` (views, rank rounds),
+``buffer_versions`` (per-base versions, staleness), ``buffer_state`` (its checkpoint state) and
+``buffer_errors``.
 
 Design decisions:
 
@@ -56,21 +59,33 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import math
 import os
 import shutil
 from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
+# ``NAME as NAME``: re-exported, for the service, the tests and older callers that import it from here
+from teamrl.learner.buffer_errors import CorruptStore, InvalidAgentId, InvalidView, VersionOutOfRange
+from teamrl.learner.buffer_errors import ReplayBufferError as ReplayBufferError
+from teamrl.learner.buffer_groups import PRIORITY_EPS as PRIORITY_EPS
+from teamrl.learner.buffer_groups import Group, GroupOrder, HeldGroups, Item, PendingGroups, fill
+from teamrl.learner.buffer_state import STATE_FORMAT as STATE_FORMAT
+from teamrl.learner.buffer_state import buffer_state, load_buffer_state
+from teamrl.learner.buffer_versions import PolicyVersions
+from teamrl.learner.buffer_views import CONSUMED as CONSUMED
+from teamrl.learner.buffer_views import MAX_AGENT_ID_CHARS as MAX_AGENT_ID_CHARS
+from teamrl.learner.buffer_views import MAX_VIEW_AGENTS as MAX_VIEW_AGENTS
+from teamrl.learner.buffer_views import ROUND_WINDOW as ROUND_WINDOW
+from teamrl.learner.buffer_views import VIEW_SEP, Views, check_agent_ids, view_name
+from teamrl.learner.buffer_views import WHOLE as WHOLE
+from teamrl.learner.buffer_views import view_agents as view_agents
 from teamrl.protocol import schema as S
 from teamrl.protocol.codec import (
     TrajectoryBatch,
@@ -83,13 +98,6 @@ from teamrl.protocol.errors import ProtocolError
 from teamrl.protocol.trajectory import GraphTrajectory
 
 log = logging.getLogger(__name__)
-
-WHOLE = ""  # the view of whole-trajectory sampling; agent views are named by agent id
-VIEW_SEP = "\x1f"  # joins the sorted ids of a several-agent view; admission refuses ids holding it
-CONSUMED = -1  # an item's count for a view that gave it up (stale for the view's base model)
-PRIORITY_EPS = 1e-2  # keeps zero-advantage groups sampleable (Schaul et al. 2016, eq. 1's epsilon)
-STATE_FORMAT = 1
-ROUND_WINDOW = 64  # rounds a rank may lag the fastest one and still be kept apart from it
 
 # --- metrics (names are fixed: the deploy dashboard and autoscalers query them) ------------------
 BUFFER_SIZE = Gauge("teamrl_buffer_size", "Sampleable trajectories held by the replay buffer.")
@@ -113,77 +121,6 @@ STALENESS = Histogram(
     "Policy versions between an admitted trajectory's oldest step and the current version.",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
 )
-
-
-class ReplayBufferError(Exception):
-    """Base of the buffer's errors."""
-
-
-class CorruptStore(ReplayBufferError):
-    """The buffer folder holds a complete checkpoint whose data cannot be read back."""
-
-
-class VersionOutOfRange(ReplayBufferError):
-    """A policy version (in a frame, or a sample's ``min_policy_version``) lies more than
-    ``version_window`` above the current version: refused, counted, nothing changes."""
-
-    reason = "policy_version_out_of_range"
-
-
-MAX_AGENT_ID_CHARS = 256  # as teamrl.protocol.control.Id (BufferStats.per_agent keys, SampleRequest)
-MAX_VIEW_AGENTS = 256  # as teamrl.protocol.control.MAX_SAMPLE_AGENTS
-
-
-def _nameable(agent_id: str) -> bool:
-    return 1 <= len(agent_id) <= MAX_AGENT_ID_CHARS and VIEW_SEP not in agent_id
-
-
-class InvalidAgentId(ReplayBufferError):
-    """A step's agent id is empty, longer than ``MAX_AGENT_ID_CHARS``, or holds ``VIEW_SEP``: no
-    control message could name it (one such frame made every later BufferStats reply fail its
-    schema), or its name could be taken for a view of several agents, so the frame is refused,
-    counted, and nothing changes."""
-
-    reason = "invalid_agent_id"
-
-
-class InvalidView(ReplayBufferError):
-    """A sample request names its agents wrongly: both ``agent_id`` and ``agent_ids``, an empty
-    list, more than ``MAX_VIEW_AGENTS`` ids, or an id no admitted step can carry. Refused and
-    counted before anything changes."""
-
-    reason = "invalid_agent_ids"
-
-
-def view_name(agent_id: str | None = None, agent_ids: Iterable[str] | None = None) -> str:
-    """The view a request reads: ``WHOLE`` (no agents; ``agent_id`` "" too, as before), one
-    agent's id, or the sorted distinct ids joined by ``VIEW_SEP``. Raises ``InvalidView``."""
-    if agent_ids is None:
-        if not agent_id:
-            return WHOLE
-        ids = [agent_id]
-    elif agent_id is not None:
-        raise InvalidView("set agent_id or agent_ids, not both")
-    elif isinstance(agent_ids, str):
-        raise InvalidView("agent_ids is a list of agent ids, not one id")
-    else:
-        ids = sorted(set(agent_ids))
-        if not ids:
-            raise InvalidView("agent_ids is empty (None asks for whole trajectories)")
-        if len(ids) > MAX_VIEW_AGENTS:
-            raise InvalidView(f"{len(ids)} agent ids: at most {MAX_VIEW_AGENTS}")
-    bad = next((a for a in ids if not _nameable(a)), None)
-    if bad is not None:
-        raise InvalidView(
-            f"agent id of {len(bad)} characters (1..{MAX_AGENT_ID_CHARS} allowed, without {VIEW_SEP!r})"
-        )
-    return VIEW_SEP.join(ids)
-
-
-@lru_cache(maxsize=4096)
-def view_agents(view: str) -> frozenset[str]:
-    """The agent ids of a view name (empty for ``WHOLE``)."""
-    return frozenset(view.split(VIEW_SEP)) if view else frozenset()
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,29 +187,27 @@ class _SeqSet:
         return list(range(self.low)) + sorted(self.above)
 
 
-@dataclass(eq=False)
-class _Item:
-    key: int  # admission order; row `key` of the segment log
-    row: TrajectoryRow  # the trajectory, kept in its Arrow batch
-    min_version: int
-    max_version: int
-    steps_per_agent: dict[str, int]
-    sampled: dict[str, int] = field(default_factory=dict)  # view -> times sampled, or CONSUMED
-    models: dict[str, tuple[int, int]] = field(default_factory=dict)  # base model -> (min, max) version
+class _Sources:
+    """The (incarnation, seq) of every frame delivered to ``insert``, per producer incarnation."""
 
+    def __init__(self) -> None:
+        self.seen: dict[str, _SeqSet] = {}
 
-@dataclass(eq=False)
-class _Group:
-    group_id: str
-    items: list[_Item]
-    born: float  # monotonic time its first episode arrived
-    priority: float = 1.0  # p_g ** alpha (prioritized sampler)
-    taken: dict[str, dict[int, int]] = field(default_factory=dict)  # view -> round -> the rank it went to
-    serial: int = -1  # release order; its key in ReplayBuffer._groups once released
+    def first_delivery(self, incarnation: str, seq: int) -> bool:
+        """Record (incarnation, seq) as seen; False when it was already."""
+        seen = self.seen.get(incarnation)
+        if seen is None:  # the receiver's rule: the first seq of an incarnation is its low mark
+            seen = self.seen[incarnation] = _SeqSet(low=seq)
+        if seq in seen:
+            return False
+        seen.add(seq)
+        return True
 
-    @property
-    def min_version(self) -> int:
-        return min(it.min_version for it in self.items)
+    def state(self) -> dict[str, list[Any]]:
+        return {inc: [s.low, sorted(s.above)] for inc, s in self.seen.items()}
+
+    def load(self, state: Mapping[str, list[Any]]) -> None:
+        self.seen = {inc: _SeqSet(int(low), above) for inc, (low, above) in state.items()}
 
 
 @dataclass
@@ -324,20 +259,6 @@ def _rows(
     return TrajectoryBatch.from_trajectories(items).rows()
 
 
-def _fill(order: Iterable[int], sizes: list[int], batch_size: int) -> tuple[list[int], int]:
-    """Candidates in ``order`` while they fit in ``batch_size`` (the first always): (chosen, total)."""
-    chosen: list[int] = []
-    total = 0
-    for i in order:
-        if chosen and total + sizes[i] > batch_size:
-            continue
-        chosen.append(i)
-        total += sizes[i]
-        if total >= batch_size:
-            break
-    return chosen, total
-
-
 class ReplayBuffer:
     """Admission, groups, rate limiting and sampling; plain arguments (see ``BufferConfig``).
 
@@ -380,29 +301,15 @@ class ReplayBuffer:
             raise ValueError("capacity, group_size and max_pending_groups must be >= 1")
         self.capacity = capacity
         self.sampler = sampler
-        self.max_times_sampled = max_times_sampled
-        self.alpha = priority_exponent
-        self.beta = importance_exponent
-        self.max_policy_lag = max_policy_lag
-        self.stale_action = stale_action
-        self.stale_decay = stale_decay
         self.group_size = group_size
-        self.group_timeout_s = group_timeout_s
-        self.max_pending_groups = max_pending_groups
-        self.version_window = version_window
+        self.versions = PolicyVersions(max_policy_lag, stale_action, stale_decay, version_window)
         self.limiter = RateLimiter(min_size, samples_per_insert, error_buffer)
-        self._rng = np.random.default_rng(seed)
-        self._groups: OrderedDict[int, _Group] = OrderedDict()  # release serial -> group (fifo order)
-        self._pending: OrderedDict[str, _Group] = OrderedDict()  # group_id -> incomplete group, oldest first
-        self._serial = 0
-        self._size = 0
-        self._per_agent: Tally[str] = Tally()
-        self._seen: dict[str, _SeqSet] = {}
-        self._rounds: dict[str, dict[int, int]] = {}  # view -> rank -> its next round
+        self._order = GroupOrder(sampler, priority_exponent, importance_exponent, seed)
+        self._pending = PendingGroups(group_size, group_timeout_s, max_pending_groups)
+        self._held = HeldGroups(self._order.priority)
+        self._views = Views(max_times_sampled)
+        self._sources = _Sources()
         self.next_key = 0
-        self.current_version = -1  # highest version of any base (steps and hints)
-        self.current_versions: dict[str, int] = {}  # base model id -> its current version
-        self._hint_version = -1  # highest hint without model_id: raises every base, known or not
         self.inserted = 0
         self.sampled = 0
         self.duplicates = 0
@@ -415,43 +322,57 @@ class ReplayBuffer:
     @property
     def size(self) -> int:
         """Sampleable trajectories held (pending groups excluded)."""
-        return self._size
+        return self._held.size
 
     @property
     def pending_groups(self) -> int:
-        return len(self._pending)
+        return len(self._pending.groups)
 
     @property
     def pending_trajectories(self) -> int:
-        return sum(len(g.items) for g in self._pending.values())
+        return len(self._pending.items())
 
-    def per_agent(self) -> dict[str, int]:
-        """Steps held per agent id (sampleable items only)."""
-        return {a: n for a, n in self._per_agent.items() if n > 0}
+    @property
+    def current_version(self) -> int:
+        """The highest version of any base (steps and hints)."""
+        return self.versions.current
 
-    def policy_version_range(self) -> tuple[int, int]:
-        """(min, max) step policy version over held items; (-1, -1) when empty."""
-        items = [it for g in self._groups.values() for it in g.items]
-        if not items:
-            return -1, -1
-        return min(it.min_version for it in items), max(it.max_version for it in items)
+    @property
+    def current_versions(self) -> dict[str, int]:
+        """Base model id -> its current version."""
+        return self.versions.per_base
 
     def current_version_of(self, model_id: str) -> int:
         """The version staleness on base ``model_id`` is judged against (-1: nothing known)."""
-        return self.current_versions.get(model_id, self._hint_version)
+        return self.versions.of(model_id)
+
+    def version_ceiling(self) -> float:
+        """The highest policy version a frame or an untrusted sample hint may carry."""
+        return self.versions.ceiling()
+
+    def per_agent(self) -> dict[str, int]:
+        """Steps held per agent id (sampleable items only)."""
+        return {a: n for a, n in self._held.steps.items() if n > 0}
+
+    def policy_version_range(self) -> tuple[int, int]:
+        """(min, max) step policy version over held items; (-1, -1) when empty."""
+        return self._held.version_range()
 
     def keys(self) -> list[int]:
         """Sorted keys of every held and pending trajectory (what persistence must keep)."""
-        out = [it.key for g in self._groups.values() for it in g.items]
-        out += [it.key for g in self._pending.values() for it in g.items]
-        return sorted(out)
+        return sorted(it.key for it in [*self._held.items(), *self._pending.items()])
 
     def seen(self) -> dict[str, list[int]]:
         """Every (incarnation -> seqs) delivered to ``insert``: what a restarted receiver must skip."""
-        return {inc: s.seqs() for inc, s in self._seen.items()}
+        return {inc: s.seqs() for inc, s in self._sources.seen.items()}
 
     def can_insert(self, n: int = 1) -> bool:
-        return self.limiter.can_insert(n, self._size)
+        return self.limiter.can_insert(n, self.size)
+
+    @property
+    def _groups(self) -> OrderedDict[int, Group]:
+        """The held groups by release serial, oldest first."""
+        return self._held.groups
 
     # --- counting -----------------------------------------------------------------------------
 
@@ -466,17 +387,9 @@ class ReplayBuffer:
             self.duplicates += n
             DUPLICATES.inc(n)
 
-    def _evict(self, serial: int, reason: str) -> None:
-        g = self._groups.pop(serial)
-        for it in g.items:
-            self._forget(it)
-        self.evicted[reason] += len(g.items)
-        EVICTED.labels(reason=reason).inc(len(g.items))
-
-    def _forget(self, it: _Item) -> None:
-        self._size -= 1
-        self._per_agent.subtract(it.steps_per_agent)
-        BUFFER_SIZE.set(self._size)
+    def _count_evicted(self, reason: str, n: int) -> None:
+        self.evicted[reason] += n
+        EVICTED.labels(reason=reason).inc(n)
 
     # --- insert -------------------------------------------------------------------------------
 
@@ -491,197 +404,64 @@ class ReplayBuffer:
         trajectories. ``source`` = (incarnation, seq) of the frame; a source seen before is a
         duplicate and changes nothing. ``now`` is monotonic seconds (group ages)."""
         rows = _rows(trajectories)
-        top = max((r.versions(-1)[1] for r in rows), default=-1)
-        if top > self.version_ceiling():  # before any state changes: the frame is not recorded as seen
-            self.count_rejected(VersionOutOfRange.reason)
-            raise VersionOutOfRange(
-                f"policy version {top} is more than version_window={self.version_window} above the "
-                f"current version {self.current_version}"
-            )
-        bad = next((a for r in rows for a in r.steps_per_agent() if not _nameable(a)), None)
-        if bad is not None:  # before any state changes, like the version check
-            self.count_rejected(InvalidAgentId.reason)
-            raise InvalidAgentId(
-                f"agent id of {len(bad)} characters: 1..{MAX_AGENT_ID_CHARS} allowed, without {VIEW_SEP!r}"
-            )
-        if source is not None:
-            inc, seq = source
-            seen = self._seen.get(inc)
-            if seen is None:  # the receiver's rule: the first seq of an incarnation is its low mark
-                seen = self._seen[inc] = _SeqSet(low=seq)
-            if seq in seen:
-                self.count_duplicates(1)
-                return InsertResult([], duplicate=True)
-            seen.add(seq)
+        self._check_frame(rows)  # before any state changes: a refused frame is not recorded as seen
+        if source is not None and not self._sources.first_delivery(*source):
+            self.count_duplicates(1)
+            return InsertResult([], duplicate=True)
         models = [r.versions_per_model() for r in rows]
         for r, per_model in zip(rows, models, strict=True):
-            self.current_version = max(self.current_version, r.versions(-1)[1])
-            for m, (_, top_m) in per_model.items():
-                self.current_versions[m] = max(self.current_version_of(m), top_m)
+            self.versions.observe(r.versions(-1)[1], per_model)
         res = InsertResult([])
         for r, per_model in zip(rows, models, strict=True):
             lo, hi = r.versions(self.current_version)
-            lag = self._lag(per_model)
-            if self._too_stale(lag) and self.stale_action == "drop":
+            lag = self.versions.lag(per_model)
+            if self.versions.refuses(lag):
                 self.count_rejected("stale")
                 res.stale += 1
                 continue
             STALENESS.observe(lag)
-            item = _Item(self.next_key, r, lo, hi, r.steps_per_agent(), models=per_model)
+            item = Item(self.next_key, r, lo, hi, r.steps_per_agent(), models=per_model)
             self.next_key += 1
             res.accepted.append((item.key, r))
-            self._admit(item, now)
+            for g, timed_out in self._pending.add(item, now):
+                self._release(g, timed_out=timed_out)
         return res
 
-    def version_ceiling(self) -> float:
-        """The highest policy version a frame or an untrusted sample hint may carry."""
-        if self.version_window is None:
-            return math.inf
-        return max(self.current_version, 0) + self.version_window
+    def _check_frame(self, rows: list[TrajectoryRow]) -> None:
+        """Count and raise ``VersionOutOfRange`` (a step above ``version_ceiling()``) or
+        ``InvalidAgentId`` (an agent id no control message or view name can carry)."""
+        try:
+            self.versions.check(max((r.versions(-1)[1] for r in rows), default=-1), "policy version")
+            check_agent_ids(a for r in rows for a in r.steps_per_agent())
+        except (VersionOutOfRange, InvalidAgentId) as e:
+            self.count_rejected(e.reason)
+            raise
 
     def forget_source(self, incarnation: str) -> None:
         """Drop the de-duplication state of a producer incarnation the receiver evicted."""
-        self._seen.pop(incarnation, None)
-
-    def _too_stale(self, lag: int) -> bool:
-        return self.max_policy_lag is not None and lag > self.max_policy_lag
-
-    def _lag(self, models: Mapping[str, tuple[int, int]]) -> int:
-        """Versions the oldest step lags behind its own base, the largest over the bases (0 for none)."""
-        return max((max(0, self.current_version_of(m) - lo) for m, (lo, _) in models.items()), default=0)
-
-    def _admit(self, item: _Item, now: float) -> None:
-        if self.group_size == 1:
-            self._release(_Group(item.row.group_id, [item], now), timed_out=False)
-            return
-        gid = item.row.group_id
-        g = self._pending.get(gid)
-        if g is None:
-            if len(self._pending) >= self.max_pending_groups:
-                oldest = next(iter(self._pending))
-                log.warning(
-                    "more than %d groups pending: releasing %r incomplete", self.max_pending_groups, oldest
-                )
-                self._release(self._pending.pop(oldest), timed_out=True)
-            g = self._pending[gid] = _Group(gid, [], now)
-        g.items.append(item)
-        if len(g.items) >= self.group_size:
-            self._release(self._pending.pop(gid), timed_out=False)
-
-    def _release(self, g: _Group, *, timed_out: bool) -> None:
-        if timed_out:
-            self.groups_timed_out += 1
-            GROUPS_TIMED_OUT.inc()
-        rewards = np.array([it.row.reward for it in g.items], dtype=np.float64)
-        p = float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS
-        g.priority = p**self.alpha
-        g.serial = self._serial
-        self._groups[g.serial] = g
-        self._serial += 1
-        n = len(g.items)
-        for it in g.items:
-            self._per_agent.update(it.steps_per_agent)
-        self._size += n
-        self.inserted += n
-        self.limiter.inserts += n
-        INSERTED.inc(n)
-        while self._size > self.capacity and self._groups:
-            self._evict(next(iter(self._groups)), "capacity")
-        BUFFER_SIZE.set(self._size)
+        self._sources.seen.pop(incarnation, None)
 
     def expire_groups(self, now: float) -> int:
         """Release pending groups older than ``group_timeout_s`` as they are; returns how many."""
-        n = 0
-        while self._pending:
-            gid, g = next(iter(self._pending.items()))
-            if now - g.born < self.group_timeout_s:
-                break
-            log.info("group %r timed out with %d of %d episodes", gid, len(g.items), self.group_size)
-            self._release(self._pending.pop(gid), timed_out=True)
-            n += 1
-        return n
+        expired = self._pending.expired(now)
+        for g in expired:
+            self._release(g, timed_out=True)
+        return len(expired)
+
+    def _release(self, g: Group, *, timed_out: bool) -> None:
+        if timed_out:
+            self.groups_timed_out += 1
+            GROUPS_TIMED_OUT.inc()
+        self._held.release(g)
+        n = len(g.items)
+        self.inserted += n
+        self.limiter.inserts += n
+        INSERTED.inc(n)
+        while self.size > self.capacity and self._groups:
+            self._count_evicted("capacity", self._held.evict(next(iter(self._groups))))
+        BUFFER_SIZE.set(self.size)
 
     # --- sample -------------------------------------------------------------------------------
-
-    def _eligible_items(self, g: _Group, view: str) -> list[_Item]:
-        """The items of ``g`` the view may still take: one of its agents acted, not used up."""
-        m = self.max_times_sampled
-        agents = view_agents(view)
-        out = []
-        for it in g.items:
-            n = it.sampled.get(view, 0)
-            if n == CONSUMED or (m and n >= m):
-                continue
-            if view == WHOLE or not agents.isdisjoint(it.steps_per_agent):
-                out.append(it)
-        return out
-
-    def _used_up(self, n: int) -> bool:
-        return n == CONSUMED or (self.max_times_sampled > 0 and n >= self.max_times_sampled)
-
-    def _exhausted(self, it: _Item) -> bool:
-        """The whole view used it up, or every agent that acted in it is in a view that did."""
-        if self._used_up(it.sampled.get(WHOLE, 0)):
-            return True
-        if not it.steps_per_agent:
-            return False
-        covered: set[str] = set()
-        for view, n in it.sampled.items():
-            if view != WHOLE and self._used_up(n):
-                covered |= view_agents(view)
-        return covered.issuperset(it.steps_per_agent)
-
-    def _evict_stale(self, min_policy_version: int) -> None:
-        drop_lagging = self.stale_action == "drop" and self.max_policy_lag is not None
-        for serial, g in list(self._groups.items()):
-            lo = g.min_version
-            if lo < min_policy_version or (drop_lagging and self._too_stale(self.current_version - lo)):
-                self._evict(serial, "stale")
-
-    def _give_up_stale(self, view: str, model_id: str, min_policy_version: int) -> None:
-        """A request with ``model_id``: groups whose oldest step on that base is older than
-        ``min_policy_version`` or (``drop``) lags too far are given up by this view alone: marked
-        ``CONSUMED`` for it and counted as stale evictions; other views keep them."""
-        drop_lagging = self.stale_action == "drop" and self.max_policy_lag is not None
-        current = self.current_version_of(model_id)
-        n = 0
-        for g in list(self._groups.values()):
-            items = self._eligible_items(g, view)
-            lo = min((it.models[model_id][0] for it in items if model_id in it.models), default=None)
-            if lo is None:
-                continue
-            if lo < min_policy_version or (drop_lagging and self._too_stale(current - lo)):
-                for it in items:
-                    it.sampled[view] = CONSUMED
-                n += len(items)
-                self._drop_exhausted(g)
-        if n:
-            self.evicted["stale"] += n
-            EVICTED.labels(reason="stale").inc(n)
-
-    def _stale_weight(self, it: _Item, model_id: str | None = None) -> float:
-        if self.stale_action != "downweight" or self.max_policy_lag is None:
-            return 1.0
-        if model_id is None:
-            over = self.current_version - it.min_version - self.max_policy_lag
-        elif model_id in it.models:
-            over = self.current_version_of(model_id) - it.models[model_id][0] - self.max_policy_lag
-        else:
-            return 1.0
-        return self.stale_decay ** max(0, over)
-
-    def _order(self, candidates: list[_Group]) -> tuple[Iterable[int], np.ndarray | None]:
-        """Indices into ``candidates`` in the order to take them, plus P(g) for prioritized."""
-        n = len(candidates)
-        if self.sampler == "fifo":
-            return range(n), None
-        if self.sampler == "uniform":
-            return self._rng.permutation(n).tolist(), None
-        pr = np.array([g.priority for g in candidates], dtype=np.float64)
-        probs = pr / pr.sum()
-        # Sampling without replacement, P ~ priority: the Gumbel-top-k trick orders all candidates.
-        keys = np.log(probs) + self._rng.gumbel(size=n)
-        return np.argsort(-keys, kind="stable").tolist(), probs
 
     def sample(
         self,
@@ -707,51 +487,36 @@ class ReplayBuffer:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         view = self._checked_view(agent_id, agent_ids, min_policy_version, trusted)
-        self._take_hint(model_id, min_policy_version, trusted)
-        if model_id is None:
-            self._evict_stale(min_policy_version)
-        else:
-            self._give_up_stale(view, model_id, min_policy_version)
-        if self._size < self.limiter.min_size:
+        self.versions.take_hint(model_id, min_policy_version, trusted)
+        self._drop_stale(view, model_id, min_policy_version)
+        if self.size < self.limiter.min_size:
             return Refused(
-                "not_enough_data", f"{self._size} trajectories held, min_size {self.limiter.min_size}"
+                "not_enough_data", f"{self.size} trajectories held, min_size {self.limiter.min_size}"
             )
-        rnd = self._rounds.get(view, {}).get(rank, 0)
-        candidates = [
-            (g, items)
-            for g in self._groups.values()
-            if g.taken.get(view, {}).get(rnd, rank) == rank and (items := self._eligible_items(g, view))
-        ]
+        rnd = self._views.round_of(view, rank)
+        candidates = self._views.candidates(self._groups.values(), view, rnd, rank)
         if not candidates:
             shown = view.replace(VIEW_SEP, ",") or "whole"
             return Refused("not_enough_data", f"no group left for rank {rank} (view {shown!r})")
-        order, probs = self._order([g for g, _ in candidates])
-        chosen, total = _fill(order, [len(items) for _, items in candidates], batch_size)
-        why = self.limiter.refuse_sample(total, self._size)
+        order, importance = self._order.order([g for g, _ in candidates])
+        chosen, total = fill(order, [len(items) for _, items in candidates], batch_size)
+        why = self.limiter.refuse_sample(total, self.size)
         if why is not None:
             return Refused(why, f"{total} samples now would leave diff {self.limiter.diff - total}")
-        iw = None
-        if probs is not None:
-            iw = (len(candidates) * probs) ** -self.beta
-            iw = iw / iw.max()
         out = Sample([], [], [])
         for i in chosen:
             g, items = candidates[i]
-            g.taken.setdefault(view, {})[rnd] = rank
-            for it in items:
-                it.sampled[view] = it.sampled.get(view, 0) + 1
-                out.rows.append(it.row)
-                out.keys.append(it.key)
-                out.weights.append(
-                    self._stale_weight(it, model_id) * (float(iw[i]) if iw is not None else 1.0)
-                )
-            self._drop_exhausted(g)
-        self._rounds.setdefault(view, {})[rank] = rnd + 1
-        self._prune_taken(view)
+            self._views.take(g, items, view, rnd, rank)
+            scale = 1.0 if importance is None else float(importance[i])
+            out.rows.extend(it.row for it in items)
+            out.keys.extend(it.key for it in items)
+            out.weights.extend(self.versions.weight(it, model_id) * scale for it in items)
+            self._held.drop_exhausted(g, self._views)
+        self._views.close(view, rank, rnd, self._groups.values())
         self.sampled += total
         self.limiter.samples += total
         SAMPLED.inc(total)
-        BUFFER_SIZE.set(self._size)
+        BUFFER_SIZE.set(self.size)
         return out
 
     def _checked_view(
@@ -761,103 +526,25 @@ class ReplayBuffer:
         the version window (``VersionOutOfRange``) is counted and raised before anything changes."""
         try:
             view = view_name(agent_id, agent_ids)
-        except InvalidView:
-            self.count_rejected(InvalidView.reason)
+            if not trusted:
+                self.versions.check(min_policy_version, "min_policy_version")
+        except (InvalidView, VersionOutOfRange) as e:
+            self.count_rejected(e.reason)
             raise
-        if not trusted and min_policy_version > self.version_ceiling():
-            self.count_rejected(VersionOutOfRange.reason)
-            raise VersionOutOfRange(
-                f"min_policy_version {min_policy_version} is more than version_window={self.version_window} "
-                f"above the current version {self.current_version}"
-            )
         return view
 
-    def _take_hint(self, model_id: str | None, min_policy_version: int, trusted: bool) -> None:
-        """A learner's ``min_policy_version`` raises the current version (of its base, or of all)."""
-        if min_policy_version < 0 or self.max_policy_lag is None:
-            return
-        hint = min_policy_version + self.max_policy_lag
-        self.current_version = max(self.current_version, hint)
-        if model_id is not None:
-            # only data or a trusted learner adds a base: untrusted names cannot grow the table
-            if trusted or model_id in self.current_versions:
-                self.current_versions[model_id] = max(self.current_version_of(model_id), hint)
-        else:
-            self._hint_version = max(self._hint_version, hint)
-            self.current_versions = {m: max(v, hint) for m, v in self.current_versions.items()}
-
-    def _drop_exhausted(self, g: _Group) -> None:
-        keep = []
-        for it in g.items:
-            if self._exhausted(it):
-                self._forget(it)
-            else:
-                keep.append(it)
-        g.items = keep
-        if not keep:
-            del self._groups[g.serial]
-
-    def _prune_taken(self, view: str) -> None:
-        # Not min over the ranks seen: a rank that has not asked yet is still in round 0.
-        oldest = max(self._rounds[view].values()) - ROUND_WINDOW
-        for g in self._groups.values():
-            taken = g.taken.get(view)
-            if not taken:
-                continue
-            for r in [r for r in taken if r < oldest]:
-                del taken[r]
-            if not taken:
-                del g.taken[view]
+    def _drop_stale(self, view: str, model_id: str | None, min_policy_version: int) -> None:
+        """What the request finds stale goes (``PolicyVersions.sweep``), counted as stale evictions."""
+        n = self.versions.sweep(self._held, self._views, view, model_id, min_policy_version)
+        if n:
+            self._count_evicted("stale", n)
+        BUFFER_SIZE.set(self.size)
 
     # --- state --------------------------------------------------------------------------------
 
     def state_dict(self, now: float) -> dict[str, Any]:
         """Everything but the trajectories themselves (they live in segments), JSON-able."""
-
-        def items(g: _Group) -> list[list[Any]]:
-            return [[it.key, it.sampled] for it in g.items]
-
-        def taken(g: _Group, view: str) -> dict[int, int]:
-            return g.taken.get(view, {})
-
-        return {
-            "format": STATE_FORMAT,
-            "next_key": self.next_key,
-            "current_version": self.current_version,
-            "current_versions": dict(self.current_versions),
-            "hint_version": self._hint_version,
-            "serial": self._serial,
-            "counters": {
-                "inserted": self.inserted,
-                "sampled": self.sampled,
-                "duplicates": self.duplicates,
-                "groups_timed_out": self.groups_timed_out,
-                "rejected": dict(self.rejected),
-                "evicted": dict(self.evicted),
-            },
-            "limiter": {"inserts": self.limiter.inserts, "samples": self.limiter.samples},
-            # the whole view's rounds and takes under the keys older states used; other views apart
-            "rounds": {str(r): n for r, n in self._rounds.get(WHOLE, {}).items()},
-            "view_rounds": {
-                v: {str(r): n for r, n in rounds.items()} for v, rounds in self._rounds.items() if v != WHOLE
-            },
-            "seen": {inc: [s.low, sorted(s.above)] for inc, s in self._seen.items()},
-            "groups": [
-                {
-                    "serial": serial,
-                    "group_id": g.group_id,
-                    "items": items(g),
-                    "taken": taken(g, WHOLE),
-                    "view_taken": {v: t for v, t in g.taken.items() if v != WHOLE},
-                }
-                for serial, g in self._groups.items()
-            ],
-            "pending": [
-                {"group_id": g.group_id, "items": items(g), "age_s": max(0.0, now - g.born)}
-                for g in self._pending.values()
-            ],
-            "rng": self._rng.bit_generator.state,
-        }
+        return buffer_state(self, now)
 
     def load_state_dict(
         self, state: Mapping[str, Any], trajectories: Mapping[int, TrajectoryRow], now: float
@@ -865,64 +552,8 @@ class ReplayBuffer:
         """Restore ``state_dict`` output; ``trajectories`` maps every key it holds to its row. A
         state from before per-base versions (no ``current_versions``) derives them from the held
         items; the rounds and takes it has become the whole view's."""
-        if state.get("format") != STATE_FORMAT:
-            raise CorruptStore(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
-
-        def rebuild(entries: list[list[Any]]) -> list[_Item]:
-            out = []
-            for key, sampled in entries:
-                t = trajectories.get(int(key))
-                if t is None:
-                    raise CorruptStore(f"checkpoint holds key {key} but no segment row has it")
-                lo, hi = t.versions(-1)
-                item = _Item(int(key), t, lo, hi, t.steps_per_agent(), dict(sampled), t.versions_per_model())
-                out.append(item)
-            return out
-
-        def rounds(entry: Mapping[str, Any]) -> dict[int, int]:
-            return {int(r): int(n) for r, n in entry.items()}
-
-        c = state["counters"]
-        self.next_key = int(state["next_key"])
-        self.current_version = int(state["current_version"])
-        self._serial = int(state["serial"])
-        self.inserted, self.sampled = int(c["inserted"]), int(c["sampled"])
-        self.duplicates, self.groups_timed_out = int(c["duplicates"]), int(c["groups_timed_out"])
-        self.rejected, self.evicted = Tally(c["rejected"]), Tally(c["evicted"])
-        self.limiter.inserts = int(state["limiter"]["inserts"])
-        self.limiter.samples = int(state["limiter"]["samples"])
-        self._rounds = {WHOLE: rounds(state["rounds"])} if state["rounds"] else {}
-        self._rounds.update({v: rounds(r) for v, r in state.get("view_rounds", {}).items() if r})
-        self._seen = {inc: _SeqSet(int(low), above) for inc, (low, above) in state["seen"].items()}
-        self._groups.clear()
-        self._pending.clear()
-        self._per_agent.clear()
-        self._size = 0
-        for entry in state["groups"]:
-            g = _Group(entry["group_id"], rebuild(entry["items"]), 0.0, serial=int(entry["serial"]))
-            taken = {WHOLE: entry["taken"], **entry.get("view_taken", {})}
-            g.taken = {v: rounds(t) for v, t in taken.items() if t}
-            rewards = np.array([it.row.reward for it in g.items], dtype=np.float64)
-            g.priority = (float(np.mean(np.abs(rewards - rewards.mean()))) + PRIORITY_EPS) ** self.alpha
-            self._groups[g.serial] = g
-            for it in g.items:
-                self._per_agent.update(it.steps_per_agent)
-            self._size += len(g.items)
-        for entry in state["pending"]:
-            self._pending[entry["group_id"]] = _Group(
-                entry["group_id"], rebuild(entry["items"]), now - float(entry["age_s"])
-            )
-        self._rng.bit_generator.state = state["rng"]
-        self._hint_version = int(state.get("hint_version", -1))
-        if "current_versions" in state:
-            self.current_versions = {str(m): int(v) for m, v in state["current_versions"].items()}
-        else:  # written before per-base versions: what the held items show
-            self.current_versions = {}
-            for g in [*self._groups.values(), *self._pending.values()]:
-                for it in g.items:
-                    for m, (_, top) in it.models.items():
-                        self.current_versions[m] = max(self.current_versions.get(m, -1), top)
-        BUFFER_SIZE.set(self._size)
+        load_buffer_state(self, state, trajectories, now)
+        BUFFER_SIZE.set(self.size)
 
 
 # --------------------------------------------------------------------------------------------

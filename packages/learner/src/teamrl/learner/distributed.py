@@ -99,29 +99,8 @@ def _load_cpu_comm_op(timeout_s: float) -> None:
     owner_file = root / f"{OP_NAME}.teamrl-owner"
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    next_log = t0 + OP_BUILD_LOG_S
     with open(owner_file, "a+") as owner:
-        while True:
-            try:
-                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                now = time.monotonic()
-                holder = _recorded_pid(owner_file)
-                if now >= deadline:
-                    raise TimeoutError(
-                        f"the DeepSpeed CPU op build by pid {holder} ({owner_file}) did not finish "
-                        f"in {timeout_s:.0f} s (TEAMRL_OP_BUILD_TIMEOUT_S)"
-                    ) from None
-                if now >= next_log:
-                    next_log = now + OP_BUILD_LOG_S
-                    log.warning(
-                        "waiting %.0f s for the DeepSpeed CPU op build by pid %s (%s)",
-                        now - t0,
-                        holder,
-                        owner_file,
-                    )
-                time.sleep(0.2)
+        _lock_owner_file(owner, owner_file, t0, timeout_s, log)
         try:
             previous = _recorded_pid(owner_file)
             _clear_dead_build_lock(root, previous, deadline, log)
@@ -134,6 +113,36 @@ def _load_cpu_comm_op(timeout_s: float) -> None:
             builder.load(verbose=False)  # builds on the first call in this folder, then loads
         finally:
             fcntl.flock(owner, fcntl.LOCK_UN)
+
+
+def _lock_owner_file(owner: Any, owner_file: Path, t0: float, timeout_s: float, log: Any) -> None:
+    """Take the teamrl lock on the open ``owner_file``, waiting for its holder at most ``timeout_s``
+    from ``t0`` (then ``TimeoutError``) and logging the wait every ``OP_BUILD_LOG_S``."""
+    import fcntl
+
+    deadline = t0 + timeout_s
+    next_log = t0 + OP_BUILD_LOG_S
+    while True:
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            now = time.monotonic()
+            holder = _recorded_pid(owner_file)
+            if now >= deadline:
+                raise TimeoutError(
+                    f"the DeepSpeed CPU op build by pid {holder} ({owner_file}) did not finish "
+                    f"in {timeout_s:.0f} s (TEAMRL_OP_BUILD_TIMEOUT_S)"
+                ) from None
+            if now >= next_log:
+                next_log = now + OP_BUILD_LOG_S
+                log.warning(
+                    "waiting %.0f s for the DeepSpeed CPU op build by pid %s (%s)",
+                    now - t0,
+                    holder,
+                    owner_file,
+                )
+            time.sleep(0.2)
 
 
 def _recorded_pid(owner_file: Path) -> int | None:

@@ -185,6 +185,24 @@ def _fill(x: _Selected, row: int, ids: np.ndarray, resp: np.ndarray, behav: np.n
     return row
 
 
+def _padded(
+    picked: list[_Selected], p: np.ndarray, r: np.ndarray, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' padded arrays (``p``, ``r``: their prompt and response lengths): input ids and
+    attention mask [n, max(p + r)], response ids, behaviour log-probs and response mask [n, max(r)]."""
+    n = len(p)
+    big_l, big_r = int((p + r).max()), int(r.max())
+    ids_np = np.full((n, big_l), pad_id, dtype=np.int64)
+    resp_np = np.zeros((n, big_r), dtype=np.int64)
+    behav_np = np.zeros((n, big_r), dtype=np.float32)
+    row = 0
+    for x in picked:
+        row = _fill(x, row, ids_np, resp_np, behav_np)
+    attn_np = (np.arange(big_l)[None, :] < (p + r)[:, None]).astype(np.int64)
+    mask_np = np.arange(big_r)[None, :] < r[:, None]
+    return ids_np, attn_np, resp_np, behav_np, mask_np
+
+
 def _first_seen(labels: list[str]) -> np.ndarray:
     index: dict[str, int] = {}
     return np.array([index.setdefault(x, len(index)) for x in labels], np.int64)
@@ -218,15 +236,7 @@ def build_rows(
         raise LearnerError(f"no trainable rows in {n_traj} trajectories (ignored: {ignored})")
     p = np.concatenate([x.p for x in picked])
     r = np.concatenate([x.r for x in picked])
-    big_l, big_r = int((p + r).max()), int(r.max())
-    ids_np = np.full((n, big_l), pad_id, dtype=np.int64)
-    resp_np = np.zeros((n, big_r), dtype=np.int64)
-    behav_np = np.zeros((n, big_r), dtype=np.float32)
-    row = 0
-    for x in picked:
-        row = _fill(x, row, ids_np, resp_np, behav_np)
-    attn_np = (np.arange(big_l)[None, :] < (p + r)[:, None]).astype(np.int64)
-    mask_np = np.arange(big_r)[None, :] < r[:, None]
+    ids_np, attn_np, resp_np, behav_np, mask_np = _padded(picked, p, r, pad_id)
     group_of_traj = _first_seen([g for b in batches for g in b.group_id])
     traj = np.concatenate([x.traj for x in picked])
 

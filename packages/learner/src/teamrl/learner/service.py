@@ -41,6 +41,7 @@ from teamrl.learner.config import LearnerConfig, LearnerConfigError, load_learne
 # BF16_EPS and probe_atol are re-exported: tests and benches import them from here
 from teamrl.learner.publish import BF16_EPS, AdapterPublisher, probe_atol  # noqa: F401
 from teamrl.learner.resume import RunCheckpoints
+from teamrl.learner.step_metrics import gauge_step, observe_lags, sample_row
 from teamrl.protocol.config import TransportConfig
 
 log = logging.getLogger("teamrl.learner")
@@ -311,7 +312,8 @@ class LearnerService:
         trajectories, waited = self.sample()  # TrajectoryBatch es: columns, no object per step
         M.SAMPLE_WAIT_SECONDS.observe(waited)
         steps = StepColumns.of(trajectories)
-        self._observe_lags(steps)
+        own = steps.versions_of(self.cfg.group_agents or None)  # a group: its base's versions only
+        observe_lags(own, self.version)
         metrics_of_step = self._train(trajectories)
         self.step += 1
         profile_row = self._profile_round(trajectories)
@@ -321,34 +323,18 @@ class LearnerService:
             if self.publisher is not None:
                 pub = self.publish()
         dt = time.perf_counter() - t0
-        self._gauge_step(dt, waited, metrics_of_step)
-        lags = self.version - 1 - steps.versions_of(self.cfg.group_agents or None)
+        gauge_step(dt, waited, metrics_of_step)
         return {
             "step": self.step - 1,
             "time": time.time() - t_begin,
             "version": self.version,
-            "episodes": len(steps.traj_reward),
-            "reward_mean": float(steps.traj_reward.mean()),
-            **{f"reward/{a}": v for a, v in steps.mean_reward_by_agent().items()},
-            "version_lag_mean": float(lags.mean()) if lags.size else 0.0,
-            "version_lag_max": float(lags.max()) if lags.size else 0.0,
+            **sample_row(steps, own, self.version - 1),
             "sample_wait_seconds": waited,
             "step_seconds": dt,
             **pub,
             **profile_row,
             **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
         }
-
-    def _observe_lags(self, steps: Any) -> None:
-        """Each sampled step's version lag (versions behind the current one) into the histogram; a
-        learner group counts its own agents' steps (their versions are of its base)."""
-        import numpy as np
-
-        own = steps.versions_of(self.cfg.group_agents or None)  # a group: its base's versions only
-        lag_values, lag_counts = np.unique(np.maximum(0, self.version - own), return_counts=True)
-        for lag, count in zip(lag_values.tolist(), lag_counts.tolist(), strict=True):
-            for _ in range(count):
-                M.VERSION_LAG.observe(lag)
 
     def _train(self, trajectories: list[Any]) -> dict[str, Any]:
         """One train step on the sample (none with ``train_weights`` off); its metrics."""
@@ -372,17 +358,6 @@ class LearnerService:
         if new_profiles is not None and self.publisher is not None:
             self.publisher.publish_profiles(new_profiles)
         return {"profile_version": float(getattr(self.profiles.latest(), "version", 0))}
-
-    def _gauge_step(self, dt: float, waited: float, metrics_of_step: dict[str, Any]) -> None:
-        """Prometheus: the step's time, its share spent waiting for data, throughput, per-agent values."""
-        M.STEPS.inc()
-        M.STEP_SECONDS.observe(dt)
-        M.DATA_WAIT_RATIO.set(waited / dt if dt > 0 else 0.0)
-        M.TOKENS_PER_SECOND.set(metrics_of_step.get("tokens_per_s", 0.0))
-        for key, value in metrics_of_step.items():
-            head, _, agent = key.partition("/")
-            if agent and head in M.PER_AGENT and math.isfinite(value):
-                M.PER_AGENT[head].labels(agent).set(value)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -33,7 +33,30 @@ Design decisions (docs/algorithms.md §4):
   is the same driver with ``mode="simultaneous"``: every agent sees factor 1 and the same old policy.
 
 :func:`sequential_update` is framework-free: the DeepSpeed engine plugs in two callables and the
-driver keeps the running factor. Its call sequence is in its docstring.
+driver keeps the running factor. The caller owns models, optimisers and minibatching; rows of the
+joint batch are fixed for the whole call (same rows, same order, for every agent).
+
+* ``logprob_fn(agent) -> Tensor[B]``: the agent's full action log-probs (sum over tokens) on the B
+  joint rows under its *current* parameters, computed under ``torch.no_grad`` in eval mode. Rows
+  where the agent did not act return the same constant before and after (e.g. 0).
+* ``step_fn(agent, factor[B]) -> stats``: one epoch of optimiser steps for that agent, using
+  :func:`happo_advantages` with ``factor`` (already detached) on its rows.
+
+Call sequence (``mode="sequential"``), for position m, agent k = agents[order[m]]:
+  1. old = logprob_fn(k)                       # π^k_old on the rows, before k's epochs
+  2. factor = correction_factor(log M)         # 1 for the first agent
+  3. step_fn(k, factor) × ``epochs``
+  4. new = logprob_fn(k)                       # π̄^k after all of k's epochs
+  5. log M ← log M + (new − old)               # the next agent sees k's ratio
+With ``mode="simultaneous"`` (independent PPO) steps 1, 4 and 5 are skipped and every agent gets
+factor 1 (``torch.ones(n_rows)``; ``n_rows`` is required there, and checked against the log-probs
+in sequential mode when given); since each agent has its own parameters, the order then does not
+matter. ``measure_last=False`` skips step 4 for the last agent of the order: no later agent
+reads its ratio, so only its record's ``log_ratio_mean`` (then NaN) and ``final_log_factor``
+(then the factor the last agent saw) depend on it, and a caller that reads neither saves one
+no-grad pass over that agent's rows. ``old_fn(agent)``, when given, replaces step 1: it is read
+after the agent's epochs and must return π^k_old, the log-probs *before* them, which a caller can
+record from the first epoch's training forward (detached), saving one no-grad pass per agent.
 """
 
 from __future__ import annotations
@@ -217,39 +240,9 @@ def sequential_update(
 ) -> SequentialUpdateResult[AgentT]:
     """Run one agent-by-agent update over a joint batch and maintain the HAPPO correction factor.
 
-    The caller owns models, optimisers and minibatching; rows of the joint batch are fixed for the
-    whole call (same rows, same order, for every agent).
-
-    * ``logprob_fn(agent) -> Tensor[B]``: the agent's full action log-probs (sum over tokens) on the B
-      joint rows under its *current* parameters, computed under ``torch.no_grad`` in eval mode. Rows
-      where the agent did not act return the same constant before and after (e.g. 0).
-    * ``step_fn(agent, factor[B]) -> stats``: one epoch of optimiser steps for that agent, using
-      :func:`happo_advantages` with ``factor`` (already detached) on its rows.
-
-    Call sequence (``mode="sequential"``), for position m, agent k = agents[order[m]]:
-      1. old = logprob_fn(k)                       # π^k_old on the rows, before k's epochs
-      2. factor = correction_factor(log M)         # 1 for the first agent
-      3. step_fn(k, factor) × ``epochs``
-      4. new = logprob_fn(k)                       # π̄^k after all of k's epochs
-      5. log M ← log M + (new − old)               # the next agent sees k's ratio
-    With ``mode="simultaneous"`` (independent PPO) steps 1, 4 and 5 are skipped and every agent gets
-    factor 1 (``torch.ones(n_rows)``; ``n_rows`` is required there, and checked against the log-probs
-    in sequential mode when given); since each agent has its own parameters, the order then does not
-    matter. ``measure_last=False`` skips step 4 for the last agent of the order: no later agent
-    reads its ratio, so only its record's ``log_ratio_mean`` (then NaN) and ``final_log_factor``
-    (then the factor the last agent saw) depend on it, and a caller that reads neither saves one
-    no-grad pass over that agent's rows. ``old_fn(agent)``, when given, replaces step 1: it is read
-    after the agent's epochs and must return π^k_old, the log-probs *before* them, which a caller can
-    record from the first epoch's training forward (detached), saving one no-grad pass per agent.
-    """
-    if epochs < 1:
-        raise AlgorithmError(f"epochs must be >= 1, got {epochs}")
-    if sorted(order) != list(range(len(agents))):
-        raise AlgorithmError(f"order must be a permutation of 0..{len(agents) - 1}, got {list(order)}")
-    if mode not in ("sequential", "simultaneous"):
-        raise AlgorithmError(f"unknown update mode {mode!r}; expected 'sequential' or 'simultaneous'")
-    if mode == "simultaneous" and n_rows is None:
-        raise AlgorithmError("mode 'simultaneous' needs n_rows (the number of joint rows B)")
+    The callables' contracts, the call sequence (its steps 1-5 are marked in the body) and what
+    ``mode``, ``n_rows``, ``measure_last`` and ``old_fn`` change are in the module docstring."""
+    _check_update(len(agents), order, epochs, mode, n_rows)
     result: SequentialUpdateResult[AgentT] = SequentialUpdateResult(order=list(order))
     log_factor: Tensor | None = None
     rows: int | None = n_rows
@@ -257,40 +250,64 @@ def sequential_update(
         agent = agents[idx]
         old = None
         if mode == "sequential":
-            if old_fn is None:
+            if old_fn is None:  # 1. π_old on the rows, before the agent's epochs
                 old = _checked_logp(agent, logprob_fn(agent), rows)
                 rows = old.shape[0]
             if log_factor is None:
                 if rows is None:
                     raise AlgorithmError("old_fn needs n_rows (the number of joint rows B)")
                 log_factor = torch.zeros(rows)
-            factor = correction_factor(log_factor, factor_clip)
-            unclipped = correction_factor(log_factor)
-            clipped_rows = int((factor != unclipped).sum())
+            factor, clipped_rows = _factor(log_factor, factor_clip)  # 2.
         else:
             assert n_rows is not None
-            factor = torch.ones(n_rows)
-            clipped_rows = 0
-        stats = [dict(step_fn(agent, factor)) for _ in range(epochs)]
+            factor, clipped_rows = torch.ones(n_rows), 0
+        stats = [dict(step_fn(agent, factor)) for _ in range(epochs)]  # 3.
         log_ratio_mean = math.nan
         if mode == "sequential" and (measure_last or position < len(order) - 1):
             if old_fn is not None:
                 old = _checked_logp(agent, old_fn(agent), rows)
             assert old is not None and log_factor is not None
-            new = _checked_logp(agent, logprob_fn(agent), rows)
+            new = _checked_logp(agent, logprob_fn(agent), rows)  # 4. π̄ after the agent's epochs
             log_ratio_mean = float((new - old).mean())
-            log_factor = update_log_factor(log_factor, new, old)
-        result.records.append(
-            AgentUpdateRecord(
-                agent=agent,
-                position=position,
-                step_stats=stats,
-                factor_mean=float(factor.mean()),
-                factor_min=float(factor.min()),
-                factor_max=float(factor.max()),
-                factor_clipped_rows=clipped_rows,
-                log_ratio_mean=log_ratio_mean,
-            )
-        )
+            log_factor = update_log_factor(log_factor, new, old)  # 5. the next agent sees its ratio
+        result.records.append(_record(agent, position, stats, factor, clipped_rows, log_ratio_mean))
     result.final_log_factor = log_factor
     return result
+
+
+def _check_update(n_agents: int, order: Sequence[int], epochs: int, mode: str, n_rows: int | None) -> None:
+    """The argument checks of :func:`sequential_update`."""
+    if epochs < 1:
+        raise AlgorithmError(f"epochs must be >= 1, got {epochs}")
+    if sorted(order) != list(range(n_agents)):
+        raise AlgorithmError(f"order must be a permutation of 0..{n_agents - 1}, got {list(order)}")
+    if mode not in ("sequential", "simultaneous"):
+        raise AlgorithmError(f"unknown update mode {mode!r}; expected 'sequential' or 'simultaneous'")
+    if mode == "simultaneous" and n_rows is None:
+        raise AlgorithmError("mode 'simultaneous' needs n_rows (the number of joint rows B)")
+
+
+def _factor(log_factor: Tensor, clip: tuple[float, float] | None) -> tuple[Tensor, int]:
+    """The factor an agent trains with (clipped to ``clip``), and how many rows the clip changed."""
+    factor = correction_factor(log_factor, clip)
+    return factor, int((factor != correction_factor(log_factor)).sum())
+
+
+def _record(
+    agent: AgentT,
+    position: int,
+    stats: list[Mapping[str, float]],
+    factor: Tensor,
+    clipped_rows: int,
+    log_ratio_mean: float,
+) -> AgentUpdateRecord[AgentT]:
+    return AgentUpdateRecord(
+        agent=agent,
+        position=position,
+        step_stats=stats,
+        factor_mean=float(factor.mean()),
+        factor_min=float(factor.min()),
+        factor_max=float(factor.max()),
+        factor_clipped_rows=clipped_rows,
+        log_ratio_mean=log_ratio_mean,
+    )
