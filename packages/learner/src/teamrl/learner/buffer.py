@@ -75,7 +75,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from teamrl.learner.buffer_errors import CorruptStore, InvalidAgentId, InvalidView, VersionOutOfRange
 from teamrl.learner.buffer_errors import ReplayBufferError as ReplayBufferError
 from teamrl.learner.buffer_groups import PRIORITY_EPS as PRIORITY_EPS
-from teamrl.learner.buffer_groups import Group, GroupOrder, HeldGroups, Item, PendingGroups, fill
+from teamrl.learner.buffer_groups import GroupOrder, HeldGroups, PendingGroups, fill
+from teamrl.learner.buffer_items import Group, Item
 from teamrl.learner.buffer_state import STATE_FORMAT as STATE_FORMAT
 from teamrl.learner.buffer_state import buffer_state, load_buffer_state
 from teamrl.learner.buffer_versions import PolicyVersions

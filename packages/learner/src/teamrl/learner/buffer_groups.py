@@ -1,4 +1,4 @@
-"""What the replay buffer holds: items (one admitted trajectory each) in episode groups, the groups
+"""What the replay buffer holds: its items and episode groups (``buffer_items``), the groups
 still waiting for episodes (``PendingGroups``), the released ones samples draw from
 (``HeldGroups``), and the order a sampler takes them in (``GroupOrder``). The rules are in
 ``teamrl.learner.buffer``'s module docstring ("Groups are the unit of sampling", "Samplers") and
@@ -11,45 +11,16 @@ import logging
 from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
+from teamrl.learner.buffer_items import Group, Item
 from teamrl.learner.buffer_views import Views
-from teamrl.protocol.codec import TrajectoryRow
 
 log = logging.getLogger("teamrl.learner.buffer")  # the buffer's log, whichever module writes
 
 PRIORITY_EPS = 1e-2  # keeps zero-advantage groups sampleable (Schaul et al. 2016, eq. 1's epsilon)
-
-# --------------------------------------------------------------------------------------------
-# items and groups
-
-
-@dataclass(eq=False)
-class Item:
-    key: int  # admission order; row `key` of the segment log
-    row: TrajectoryRow  # the trajectory, kept in its Arrow batch
-    min_version: int
-    max_version: int
-    steps_per_agent: dict[str, int]
-    sampled: dict[str, int] = field(default_factory=dict)  # view -> times sampled, or CONSUMED
-    models: dict[str, tuple[int, int]] = field(default_factory=dict)  # base model -> (min, max) version
-
-
-@dataclass(eq=False)
-class Group:
-    group_id: str
-    items: list[Item]
-    born: float  # monotonic time its first episode arrived
-    priority: float = 1.0  # p_g ** alpha (prioritized sampler)
-    taken: dict[str, dict[int, int]] = field(default_factory=dict)  # view -> round -> the rank it went to
-    serial: int = -1  # release order; its key in HeldGroups.groups once released
-
-    @property
-    def min_version(self) -> int:
-        return min(it.min_version for it in self.items)
 
 
 class PendingGroups:

@@ -1,7 +1,8 @@
 """The replay buffer's checkpoint state: everything but the trajectories themselves (they live in
 the segment log), JSON-able (``teamrl.learner.buffer``'s module docstring, "Persistence";
 docs/reliability.md R-kill-buffer). ``ReplayBuffer.state_dict`` and ``load_state_dict`` call
-``buffer_state`` and ``load_buffer_state``; the versions, views and sources write their own parts.
+``buffer_state`` and ``load_buffer_state`` (``buf`` is that ``ReplayBuffer``: typed ``Any`` here, since
+the buffer imports this module); the versions, views and sources write their own parts.
 
 A group's entry lists its items as [key, {view: times sampled}]; the whole view's rounds and takes
 stay under the keys states from before views used (``rounds``, ``taken``), the other views' apart
@@ -12,20 +13,17 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from teamrl.learner.buffer_errors import CorruptStore
-from teamrl.learner.buffer_groups import Group, Item
+from teamrl.learner.buffer_items import Group, Item
 from teamrl.learner.buffer_views import WHOLE, rounds_of
 from teamrl.protocol.codec import TrajectoryRow
-
-if TYPE_CHECKING:
-    from teamrl.learner.buffer import ReplayBuffer
 
 STATE_FORMAT = 1
 
 
-def buffer_state(buf: ReplayBuffer, now: float) -> dict[str, Any]:
+def buffer_state(buf: Any, now: float) -> dict[str, Any]:
     """``buf``'s state; ``now`` (monotonic seconds) turns pending groups' birth times into ages."""
     return {
         "format": STATE_FORMAT,
@@ -50,7 +48,7 @@ def buffer_state(buf: ReplayBuffer, now: float) -> dict[str, Any]:
 
 
 def load_buffer_state(
-    buf: ReplayBuffer, state: Mapping[str, Any], trajectories: Mapping[int, TrajectoryRow], now: float
+    buf: Any, state: Mapping[str, Any], trajectories: Mapping[int, TrajectoryRow], now: float
 ) -> None:
     """Restore ``buffer_state`` output into ``buf``; ``trajectories`` maps every key it holds to its row."""
     if state.get("format") != STATE_FORMAT:

@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from teamrl.learner.buffer_errors import VersionOutOfRange
-from teamrl.learner.buffer_groups import Group, HeldGroups, Item
+from teamrl.learner.buffer_groups import HeldGroups
+from teamrl.learner.buffer_items import Group, Item
 from teamrl.learner.buffer_views import Views
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from teamrl.learner.buffer_errors import InvalidAgentId, InvalidView
 
 if TYPE_CHECKING:
-    from teamrl.learner.buffer_groups import Group, Item
+    from teamrl.learner.buffer_items import Group, Item
 
 WHOLE = ""  # the view of whole-trajectory sampling; agent views are named by agent id
 VIEW_SEP = "\x1f"  # joins the sorted ids of a several-agent view; admission refuses ids holding it

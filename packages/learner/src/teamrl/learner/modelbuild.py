@@ -87,26 +87,57 @@ def build(
     ``arch``: ``qwen2`` (the default model) or ``llama`` (same sizes, Llama family). Skips the work
     when a complete build with the same parameters is already there.
     """
-    import torch
-    from transformers import PreTrainedTokenizerFast
-
-    from teamrl.rewards import addition
-
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     out = Path(out) if out else default_model_dir()
-    meta_path = out / "teamrl_model.json"
     params = {"build_version": BUILD_VERSION, "steps": steps, "seed": seed}
     if arch != "qwen2":  # the default build's params (and so its cache key) stay as they were
         params["arch"] = arch
-    if meta_path.exists() and not force:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("params") == params:
-            return out
+    if _built_with(out, params) and not force:
+        return out
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     build_tokenizer(tmp)
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast.from_pretrained(str(tmp))
+    t0 = time.time()
+    model = _warm_start(_fresh_model(arch, tok, seed), tok, steps, seed)
+    acc = greedy_accuracy(model, tok, _held_out())
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    meta = {
+        "params": params,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "warmstart_seconds": round(time.time() - t0, 1),
+        "held_out_greedy_accuracy": acc,
+        "task": "teamrl.rewards.addition",
+    }
+    (tmp / "teamrl_model.json").write_text(json.dumps(meta, indent=1))
+    _replace(out, tmp)
+    print(
+        f"[model build] wrote {out}: {meta['parameters']:,} parameters, held-out solver accuracy {acc['solver']:.3f}, "
+        f"verifier accuracy {acc['verifier']:.3f}",
+        flush=True,
+    )
+    return out
+
+
+def _built_with(out: Path, params: dict) -> bool:
+    """Whether ``out`` holds a complete build made with ``params``."""
+    meta_path = out / "teamrl_model.json"
+    return meta_path.exists() and json.loads(meta_path.read_text()).get("params") == params
+
+
+def _held_out() -> list[dict]:
+    from teamrl.rewards import addition
+
+    return addition.split_tasks(seed=0)[1]
+
+
+def _fresh_model(arch: str, tok, seed: int):
+    """The embedded shape (hidden 128, 2 layers, 2 heads, 1 KV head), randomly initialised with ``seed``."""
+    import torch
+
     vocab_size = 32  # >= len(vocab); a round size keeps kernels happy
     assert len(tok) <= vocab_size
     config_cls, model_cls = _architecture(arch)
@@ -125,17 +156,25 @@ def build(
         rope_theta=10000.0,
     )
     torch.manual_seed(seed)
+    return model_cls(cfg)
+
+
+def _warm_start(model, tok, steps: int, seed: int):
+    """``steps`` seeded supervised steps (AdamW, lr 3e-3, 50 warm-up steps, batches of 128 from
+    :func:`teamrl.rewards.addition.warmstart_examples` over the training tasks); returns it in eval mode."""
+    import torch
+
+    from teamrl.rewards import addition
+
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    model = model_cls(cfg)
-    train, held_out = addition.split_tasks(seed=0)
+    train = addition.split_tasks(seed=0)[0]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     t0 = time.time()
     model.train()
     for step in range(steps):
-        batch = addition.warmstart_examples(rng, train, 128)
-        ids, labels = _pack(tok, batch)
+        ids, labels = _pack(tok, addition.warmstart_examples(rng, train, 128))
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -146,28 +185,15 @@ def build(
                 f"[model build] step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)",
                 flush=True,
             )
-    model.eval()
-    acc = greedy_accuracy(model, tok, held_out)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    meta = {
-        "params": params,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "warmstart_seconds": round(time.time() - t0, 1),
-        "held_out_greedy_accuracy": acc,
-        "task": "teamrl.rewards.addition",
-    }
-    (tmp / "teamrl_model.json").write_text(json.dumps(meta, indent=1))
+    return model.eval()
+
+
+def _replace(out: Path, tmp: Path) -> None:
     if out.exists():
         import shutil
 
         shutil.rmtree(out)
     tmp.rename(out)
-    print(
-        f"[model build] wrote {out}: {meta['parameters']:,} parameters, held-out solver accuracy {acc['solver']:.3f}, "
-        f"verifier accuracy {acc['verifier']:.3f}",
-        flush=True,
-    )
-    return out
 
 
 def _architecture(arch: str) -> tuple[type, type]:
