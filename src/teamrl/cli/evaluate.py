@@ -22,6 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -47,21 +48,14 @@ def _probe_logprobs(model: str, adapter_dir: Path, prompt: list[int], completion
 
 
 async def _run(args: argparse.Namespace) -> dict:
-    from teamrl.cli.plan import PlanError, resolve_model, workflow_model_path
+    """Check the plan, start vLLM, load the adapters (probe-verified), sample, report."""
     from teamrl.rollout.engine import EngineConfig, RolloutEngine
-    from teamrl.rollout.runner import WorkflowRunner, workflow_metrics
-    from teamrl.rollout.team import plan_team
-    from teamrl.rollout.workflow import WorkflowError
+    from teamrl.rollout.runner import WorkflowRunner
 
     ks = sorted({int(x) for x in args.k.split(",")})
     if ks[-1] > args.n:
         raise SystemExit(f"teamrl eval: k={ks[-1]} > n={args.n}")
-    try:
-        model = str(resolve_model(args.model, workflow_model_path(args.workflow)))
-        team = plan_team(args.workflow, model, tasks_path=args.tasks)
-        team.base  # noqa: B018  (teamrl eval serves one base model: a team of several is refused here)
-    except (PlanError, WorkflowError) as e:
-        raise SystemExit(f"teamrl eval: {e}") from None
+    model, team = _plan(args)
     eng = RolloutEngine(
         EngineConfig(
             model=model,
@@ -74,35 +68,65 @@ async def _run(args: argparse.Namespace) -> dict:
     tasks = runner.held_out_tasks(args.num_tasks)
     await eng.start()
     try:
-        version = 0
         if args.adapters:
-            folder = Path(args.adapters)
-            subs = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
-            if not subs:
-                raise SystemExit(f"teamrl eval: {folder} holds no PEFT adapter folder")
-            subs = _served_as(subs, args.serve)
-            probe = next((a for a in team.adapters if a in subs), next(iter(subs)))
-            prompt, completion = list(team.probe_prompt), list(team.probe_completion)
-            version = 1
-            await eng.load_version(
-                version,
-                subs,
-                probe,
-                prompt,
-                completion,
-                _probe_logprobs(model, subs[probe], prompt, completion),
-                1e-3,
-            )
-        if args.temperature == 0.0:
-            runner.workflow = runner.greedy
-        else:
-            runner.workflow = runner.workflow.with_sampling(temperature=args.temperature)
-        jobs = [(i, t, s) for i, t in enumerate(tasks) for s in range(args.n)]
-        trajs = await asyncio.gather(
-            *[runner.episode(t, args.seed * 100_003 + 1000 * i + s, group_id=f"t{i}") for i, t, s in jobs]
-        )
+            await _load_adapters(eng, args, team, model)
+        jobs, trajs = await _sample(runner, tasks, args)
     finally:
         await eng.close()
+    return _report(args, runner, ks, len(tasks), jobs, trajs)
+
+
+def _plan(args: argparse.Namespace) -> tuple[str, Any]:
+    """The model folder and the checked team (``teamrl.rollout.team``); a problem exits naming it."""
+    from teamrl.cli.plan import PlanError, resolve_model, workflow_model_path
+    from teamrl.rollout.team import plan_team
+    from teamrl.rollout.workflow import WorkflowError
+
+    try:
+        model = str(resolve_model(args.model, workflow_model_path(args.workflow)))
+        team = plan_team(args.workflow, model, tasks_path=args.tasks)
+        team.base  # noqa: B018  (teamrl eval serves one base model: a team of several is refused here)
+    except (PlanError, WorkflowError) as e:
+        raise SystemExit(f"teamrl eval: {e}") from None
+    return model, team
+
+
+async def _load_adapters(eng: Any, args: argparse.Namespace, team: Any, model: str) -> None:
+    """Load ``--adapters`` (with ``--serve`` applied) as version 1, verified by the run's probe
+    scored here with transformers + PEFT."""
+    folder = Path(args.adapters)
+    subs = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
+    if not subs:
+        raise SystemExit(f"teamrl eval: {folder} holds no PEFT adapter folder")
+    subs = _served_as(subs, args.serve)
+    probe = next((a for a in team.adapters if a in subs), next(iter(subs)))
+    prompt, completion = list(team.probe_prompt), list(team.probe_completion)
+    expected = _probe_logprobs(model, subs[probe], prompt, completion)
+    await eng.load_version(1, subs, probe, prompt, completion, expected, 1e-3)
+
+
+async def _sample(
+    runner: Any, tasks: list[dict], args: argparse.Namespace
+) -> tuple[list[tuple[int, dict, int]], list[Any]]:
+    """``--n`` episodes of every task at ``--temperature`` (0: greedy): the (task index, task,
+    sample) jobs and their trajectories."""
+    if args.temperature == 0.0:
+        runner.workflow = runner.greedy
+    else:
+        runner.workflow = runner.workflow.with_sampling(temperature=args.temperature)
+    jobs = [(i, t, s) for i, t in enumerate(tasks) for s in range(args.n)]
+    trajs = await asyncio.gather(
+        *[runner.episode(t, args.seed * 100_003 + 1000 * i + s, group_id=f"t{i}") for i, t, s in jobs]
+    )
+    return jobs, trajs
+
+
+def _report(
+    args: argparse.Namespace, runner: Any, ks: list[int], n_tasks: int, jobs: list, trajs: list
+) -> dict:
+    """avg@n and pass@k over tasks, each agent's mean step reward, the workflow's own metrics."""
+    from teamrl.rollout.runner import workflow_metrics
+
     per_task: dict[int, list[float]] = {}
     per_agent: dict[str, list[float]] = {}
     for (i, _, _), tr in zip(jobs, trajs, strict=True):
@@ -113,7 +137,7 @@ async def _run(args: argparse.Namespace) -> dict:
         "workflow": runner.name,
         "adapters": args.adapters or "(base model)",
         "serve": dict(args.serve),
-        "tasks": len(tasks),
+        "tasks": n_tasks,
         "n": args.n,
         "temperature": args.temperature,
         f"avg@{args.n}": sum(sum(r >= args.success for r in rs) / args.n for rs in per_task.values())

@@ -61,6 +61,7 @@ def _positive_float(text: str) -> float:
 def build_parser(
     prog: str = "teamrl run", workflow: str | None = None, run_dir: str = "runs/run"
 ) -> argparse.ArgumentParser:
+    """The flags of ``teamrl run`` (and ``teamrl demo``), in the order ``--help`` lists them."""
     p = argparse.ArgumentParser(
         prog=prog,
         description="Train a team of LLM agents: vLLM rollouts -> Arrow over ZeroMQ -> replay buffer -> "
@@ -73,6 +74,14 @@ def build_parser(
         "Check a workflow without running it: teamrl workflow check FILE --model DIR",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_what_to_train(p, workflow, run_dir)
+    _add_training_flags(p)
+    _add_process_flags(p)
+    return p
+
+
+def _add_what_to_train(p: argparse.ArgumentParser, workflow: str | None, run_dir: str) -> None:
+    """What to train and where: workflow, model(s), tasks, config file and overrides, run folder."""
     p.add_argument(
         "--workflow",
         required=workflow is None,
@@ -106,6 +115,10 @@ def build_parser(
         help="override one service setting, e.g. --set learner.lr=3e-4 --set rollout.eval_tasks=50",
     )
     p.add_argument("--run-dir", default=run_dir, help=f"run folder (default {run_dir})")
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    """The training recipe: steps, batch shape, optimiser, algorithm, evaluations, seed, reward scales."""
     p.add_argument("--steps", type=_at_least(1), default=60, help="learner steps (default 60)")
     p.add_argument(
         "--tasks-per-step", type=_at_least(1), default=16, help="groups (tasks) per step (default 16)"
@@ -129,6 +142,10 @@ def build_parser(
         help="multiply a role's training step reward (e.g. verifier=10: agents with different reward "
         "scales, the case Dr. MAS is for); held-out evaluation is unscaled",
     )
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """How the run is laid out in processes: mode, lag, services, checkpoints, threads, security, resume."""
     p.add_argument(
         "--mode",
         choices=["async", "sync"],
@@ -181,7 +198,6 @@ def build_parser(
         help="continue the async run in folder RUN with its saved settings (learner and buffer resume "
         "from their last complete checkpoints; versions never go backwards)",
     )
-    return p
 
 
 def parse_args(argv: list[str] | None, prog: str, workflow: str | None, run_dir: str) -> argparse.Namespace:

@@ -413,69 +413,120 @@ def line_chart(title: str, all_series: list[Series], xlabel: str, ylabel: str = 
         drawn = [s for s in drawn if s.xs]
     if not drawn:
         return f'<figure class="chart empty"><figcaption>{_e(title)}</figcaption><p>no data</p></figure>'
-    w, h, ml, mr, mt, mb = 560, 250, 58, 14, 10, 38
-    pw, ph = w - ml - mr, h - mt - mb
-    xs = [x for s in drawn for x in s.xs]
-    ys = [math.log10(y) if log else y for s in drawn for y in s.ys]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        y0, y1 = y0 - (abs(y0) * 0.1 or 1), y1 + (abs(y1) * 0.1 or 1)
-    pad = (y1 - y0) * 0.06
-    y0, y1 = y0 - pad, y1 + pad
-
-    def px(x: float) -> float:
-        return ml + (x - x0) / (x1 - x0) * pw
-
-    def py(y: float) -> float:
-        return mt + ph - ((math.log10(y) if log else y) - y0) / (y1 - y0) * ph
-
-    out = [f'<svg class="plot" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img">']
-    out.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" class="pa"/>')
-    yt = (
-        [10**t for t in range(math.floor(y0), math.ceil(y1) + 1) if y0 <= t <= y1]
-        if log
-        else _nice_ticks(y0, y1)
-    )
-    if log and len(yt) < 2:
-        yt = [10**t for t in _nice_ticks(y0, y1)]
-    for t in yt:
-        y = py(t)
-        out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-        out.append(f'<text x="{ml - 5}" y="{y + 4:.1f}" class="tick" text-anchor="end">{_e(_fmt(t))}</text>')
-    for t in _nice_ticks(x0, x1, 6):
-        x = px(t)
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{mt}" y2="{mt + ph}" class="grid"/>')
-        out.append(
-            f'<text x="{x:.1f}" y="{mt + ph + 15}" class="tick" text-anchor="middle">{_e(_fmt(t))}</text>'
-        )
-    out.append(f'<text x="{ml + pw / 2}" y="{h - 4}" class="axis" text-anchor="middle">{_e(xlabel)}</text>')
-    if ylabel:
-        out.append(
-            f'<text transform="translate(12 {mt + ph / 2}) rotate(-90)" class="axis" '
-            f'text-anchor="middle">{_e(ylabel)}{" (log)" if log else ""}</text>'
-        )
+    f = _Plot.around(drawn, log)
+    out = [f'<svg class="plot" viewBox="0 0 {f.w} {f.h}" width="{f.w}" height="{f.h}" role="img">']
+    out.append(f'<rect x="{f.ml}" y="{f.mt}" width="{f.pw}" height="{f.ph}" class="pa"/>')
+    out += _y_ticks(f)
+    out += _x_ticks(f)
+    out += _axis_labels(f, xlabel, ylabel)
     for s in drawn:
-        tx, ty = _thin(s.xs, s.ys)
-        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(tx, ty, strict=True))
-        cls = "faint" if s.faint else "line"
-        out.append(
-            f'<polyline points="{pts}" stroke="{s.color}" class="{cls}"><title>{_e(s.name)}</title></polyline>'
-        )
-        if s.markers or len(tx) == 1:
-            for x, y in zip(tx, ty, strict=True):
-                out.append(
-                    f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.2" fill="{s.color}">'
-                    f"<title>{_e(s.name)}: {_e(_fmt(x))} → {_e(_fmt(y))}</title></circle>"
-                )
+        out += _polyline(f, s)
     out.append("</svg>")
     legend = "".join(
         f'<span class="lg{" lgf" if s.faint else ""}"><i style="background:{s.color}"></i>{_e(s.name)}</span>'
         for s in drawn
     )
     return f'<figure class="chart"><figcaption>{_e(title)}</figcaption>{"".join(out)}<div class="legend">{legend}</div></figure>'
+
+
+@dataclass
+class _Plot:
+    """A chart's geometry: the SVG size, margins, plot area and data range (y in log10 if ``log``)."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    log: bool
+    w, h, ml, mr, mt, mb = 560, 250, 58, 14, 10, 38  # class constants, not fields
+
+    @property
+    def pw(self) -> int:
+        return self.w - self.ml - self.mr
+
+    @property
+    def ph(self) -> int:
+        return self.h - self.mt - self.mb
+
+    @classmethod
+    def around(cls, drawn: list[Series], log: bool) -> _Plot:
+        """The range of every drawn point; a flat range widened, y padded by 6 % each side."""
+        xs = [x for s in drawn for x in s.xs]
+        ys = [math.log10(y) if log else y for s in drawn for y in s.ys]
+        x0, x1 = min(xs), max(xs)
+        y0, y1 = min(ys), max(ys)
+        if x1 == x0:
+            x0, x1 = x0 - 1, x1 + 1
+        if y1 == y0:
+            y0, y1 = y0 - (abs(y0) * 0.1 or 1), y1 + (abs(y1) * 0.1 or 1)
+        pad = (y1 - y0) * 0.06
+        return cls(x0, x1, y0 - pad, y1 + pad, log)
+
+    def px(self, x: float) -> float:
+        return self.ml + (x - self.x0) / (self.x1 - self.x0) * self.pw
+
+    def py(self, y: float) -> float:
+        return (
+            self.mt + self.ph - ((math.log10(y) if self.log else y) - self.y0) / (self.y1 - self.y0) * self.ph
+        )
+
+
+def _y_ticks(f: _Plot) -> list[str]:
+    """Horizontal grid lines and their labels (powers of ten on a log axis)."""
+    yt = (
+        [10**t for t in range(math.floor(f.y0), math.ceil(f.y1) + 1) if f.y0 <= t <= f.y1]
+        if f.log
+        else _nice_ticks(f.y0, f.y1)
+    )
+    if f.log and len(yt) < 2:
+        yt = [10**t for t in _nice_ticks(f.y0, f.y1)]
+    out = []
+    for t in yt:
+        y = f.py(t)
+        out.append(f'<line x1="{f.ml}" x2="{f.ml + f.pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+        out.append(
+            f'<text x="{f.ml - 5}" y="{y + 4:.1f}" class="tick" text-anchor="end">{_e(_fmt(t))}</text>'
+        )
+    return out
+
+
+def _x_ticks(f: _Plot) -> list[str]:
+    """Vertical grid lines and their labels."""
+    out = []
+    for t in _nice_ticks(f.x0, f.x1, 6):
+        x = f.px(t)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{f.mt}" y2="{f.mt + f.ph}" class="grid"/>')
+        out.append(
+            f'<text x="{x:.1f}" y="{f.mt + f.ph + 15}" class="tick" text-anchor="middle">{_e(_fmt(t))}</text>'
+        )
+    return out
+
+
+def _axis_labels(f: _Plot, xlabel: str, ylabel: str) -> list[str]:
+    out = [f'<text x="{f.ml + f.pw / 2}" y="{f.h - 4}" class="axis" text-anchor="middle">{_e(xlabel)}</text>']
+    if ylabel:
+        out.append(
+            f'<text transform="translate(12 {f.mt + f.ph / 2}) rotate(-90)" class="axis" '
+            f'text-anchor="middle">{_e(ylabel)}{" (log)" if f.log else ""}</text>'
+        )
+    return out
+
+
+def _polyline(f: _Plot, s: Series) -> list[str]:
+    """One series (thinned), with a circle and tooltip per point for markers or a single point."""
+    tx, ty = _thin(s.xs, s.ys)
+    pts = " ".join(f"{f.px(x):.1f},{f.py(y):.1f}" for x, y in zip(tx, ty, strict=True))
+    cls = "faint" if s.faint else "line"
+    out = [
+        f'<polyline points="{pts}" stroke="{s.color}" class="{cls}"><title>{_e(s.name)}</title></polyline>'
+    ]
+    if s.markers or len(tx) == 1:
+        for x, y in zip(tx, ty, strict=True):
+            out.append(
+                f'<circle cx="{f.px(x):.1f}" cy="{f.py(y):.1f}" r="3.2" fill="{s.color}">'
+                f"<title>{_e(s.name)}: {_e(_fmt(x))} → {_e(_fmt(y))}</title></circle>"
+            )
+    return out
 
 
 def _positive(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
@@ -580,24 +631,7 @@ def graph_svg(traj: GraphTrajectory, uid: str, colors: dict[str, str]) -> str:
     steps = traj.steps
     lanes = {a: i for i, a in enumerate(traj.agents)}
     turns = sorted({s.turn for s in steps})
-    # Steps of one agent within one turn sit side by side in that turn's column.
-    slot: list[int] = []
-    count: dict[tuple[int, str], int] = {}
-    for s in steps:
-        k = (s.turn, s.agent_id)
-        slot.append(count.get(k, 0))
-        count[k] = count.get(k, 0) + 1
-    width_of = {t: max(c for (tt, _), c in count.items() if tt == t) for t in turns}
-    col_x, x = {}, PAD + 70.0
-    for t in turns:
-        col_x[t] = x
-        x += width_of[t] * (NODE_W + 12) - 12 + COL_GAP
-    w = int(x - COL_GAP + PAD + 30)
-    h = int(PAD * 2 + 16 + len(lanes) * (NODE_H + LANE_GAP) - LANE_GAP)
-    pos = [
-        (col_x[s.turn] + slot[i] * (NODE_W + 12), PAD + 16 + lanes[s.agent_id] * (NODE_H + LANE_GAP))
-        for i, s in enumerate(steps)
-    ]
+    col_x, pos, w, h = _graph_layout(steps, lanes, turns)
     scale = max((abs(_finite(s.reward) or 0.0) for s in steps), default=0.0)
     out = [
         f'<svg class="graph" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img" '
@@ -622,36 +656,66 @@ def graph_svg(traj: GraphTrajectory, uid: str, colors: dict[str, str]) -> str:
             qx, qy = pos[p]
             out.append(_edge(qx, qy, cx, cy, uid, p, i))
     for i, s in enumerate(steps):
-        x0, y0 = pos[i]
-        r = _finite(s.reward)
-        n_tools = len(s.tool_calls)
-        tools = f", {n_tools} tool call(s)" if n_tools else ""
-        tip = (
-            f"#{i} {s.agent_id} (role {s.role}) turn {s.turn}, policy v{s.policy_version} "
-            f"[{s.adapter or 'base'}], credit {_fmt(r) if r is not None else 'n/a'}, "
-            f"finish {s.finish_reason}{tools}\n{_clip(s.response_text, 300)}"
-        )
-        badge = (
-            f'<rect x="{x0 + NODE_W - 38:.1f}" y="{y0 + 4:.1f}" width="34" height="13" rx="3" class="tb"/>'
-            f'<text x="{x0 + NODE_W - 21:.1f}" y="{y0 + 14:.1f}" class="tt" text-anchor="middle">'
-            f"{'tool' if n_tools == 1 else f'{n_tools} tools'}</text>"
-            if n_tools
-            else ""
-        )
-        out.append(
-            f'<a href="#{uid}-s{i}"><g class="node" data-step="{i}" data-agent="{_e(s.agent_id)}">'
-            f"<title>{_e(tip)}</title>"
-            f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{NODE_W}" height="{NODE_H}" rx="7" '
-            f'fill="{_reward_fill(r or 0.0, scale)}" stroke="{colors.get(s.agent_id, "#333")}"/>'
-            f'<text x="{x0 + 7:.1f}" y="{y0 + 15:.1f}" class="nt">#{i} {_e(_clip(s.agent_id, 9 if n_tools else 13))}</text>'
-            f"{badge}"
-            f'<text x="{x0 + 7:.1f}" y="{y0 + 30:.1f}" class="ns">v{s.policy_version} · '
-            f"{'credit ' + _e(f'{r:.3g}') if r is not None else 'credit n/a'}</text>"
-            f'<text x="{x0 + 7:.1f}" y="{y0 + 44:.1f}" class="nm">{_e(_clip(" ".join(s.response_text.split()), 20))}</text>'
-            "</g></a>"
-        )
+        out.append(_node(s, i, pos[i], uid, colors.get(s.agent_id, "#333"), scale))
     out.append("</svg>")
     return "".join(out)
+
+
+def _graph_layout(
+    steps: list[AgentStep], lanes: dict[str, int], turns: list[int]
+) -> tuple[dict[int, float], list[tuple[float, float]], int, int]:
+    """Each turn's column x, each step's box (top-left corner), and the SVG's width and height.
+    Steps of one agent within one turn sit side by side in that turn's column."""
+    slot: list[int] = []
+    count: dict[tuple[int, str], int] = {}
+    for s in steps:
+        k = (s.turn, s.agent_id)
+        slot.append(count.get(k, 0))
+        count[k] = count.get(k, 0) + 1
+    width_of = {t: max(c for (tt, _), c in count.items() if tt == t) for t in turns}
+    col_x, x = {}, PAD + 70.0
+    for t in turns:
+        col_x[t] = x
+        x += width_of[t] * (NODE_W + 12) - 12 + COL_GAP
+    w = int(x - COL_GAP + PAD + 30)
+    h = int(PAD * 2 + 16 + len(lanes) * (NODE_H + LANE_GAP) - LANE_GAP)
+    pos = [
+        (col_x[s.turn] + slot[i] * (NODE_W + 12), PAD + 16 + lanes[s.agent_id] * (NODE_H + LANE_GAP))
+        for i, s in enumerate(steps)
+    ]
+    return col_x, pos, w, h
+
+
+def _node(s: AgentStep, i: int, at: tuple[float, float], uid: str, color: str, scale: float) -> str:
+    """One step's box, filled by its credit, linking to its card, with a tooltip and a tool badge."""
+    x0, y0 = at
+    r = _finite(s.reward)
+    n_tools = len(s.tool_calls)
+    tools = f", {n_tools} tool call(s)" if n_tools else ""
+    tip = (
+        f"#{i} {s.agent_id} (role {s.role}) turn {s.turn}, policy v{s.policy_version} "
+        f"[{s.adapter or 'base'}], credit {_fmt(r) if r is not None else 'n/a'}, "
+        f"finish {s.finish_reason}{tools}\n{_clip(s.response_text, 300)}"
+    )
+    badge = (
+        f'<rect x="{x0 + NODE_W - 38:.1f}" y="{y0 + 4:.1f}" width="34" height="13" rx="3" class="tb"/>'
+        f'<text x="{x0 + NODE_W - 21:.1f}" y="{y0 + 14:.1f}" class="tt" text-anchor="middle">'
+        f"{'tool' if n_tools == 1 else f'{n_tools} tools'}</text>"
+        if n_tools
+        else ""
+    )
+    return (
+        f'<a href="#{uid}-s{i}"><g class="node" data-step="{i}" data-agent="{_e(s.agent_id)}">'
+        f"<title>{_e(tip)}</title>"
+        f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{NODE_W}" height="{NODE_H}" rx="7" '
+        f'fill="{_reward_fill(r or 0.0, scale)}" stroke="{color}"/>'
+        f'<text x="{x0 + 7:.1f}" y="{y0 + 15:.1f}" class="nt">#{i} {_e(_clip(s.agent_id, 9 if n_tools else 13))}</text>'
+        f"{badge}"
+        f'<text x="{x0 + 7:.1f}" y="{y0 + 30:.1f}" class="ns">v{s.policy_version} · '
+        f"{'credit ' + _e(f'{r:.3g}') if r is not None else 'credit n/a'}</text>"
+        f'<text x="{x0 + 7:.1f}" y="{y0 + 44:.1f}" class="nm">{_e(_clip(" ".join(s.response_text.split()), 20))}</text>'
+        "</g></a>"
+    )
 
 
 def _edge(qx: float, qy: float, cx: float, cy: float, uid: str, p: int, i: int) -> str:

@@ -539,8 +539,6 @@ def run_greedy_episodes(model: Any, tok: Any, workflow: Any, tasks: list[dict[st
 
 def measure(folder: str | Path, n_math: int = 100, model: Any = None) -> dict[str, float]:
     """Greedy held-out accuracies of the model in ``folder`` (see the module doc, step 4)."""
-    import re
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -552,6 +550,20 @@ def measure(folder: str | Path, n_math: int = 100, model: Any = None) -> dict[st
         model = AutoModelForCausalLM.from_pretrained(str(folder))
     model.eval()
     held = load_tasks("math-word-held-out")[:n_math]
+    res = _math_team_scores(model, tok, held)
+    res["verifier_balanced"] = _verifier_balanced(model, tok, held)
+    for name, key in (("search-qa", "search-qa_f1"), ("code-reflect", "code-reflect_pass")):
+        wf = _workflow(name, with_reward=True)
+        tasks_ = _tasks(name, 0)
+        trajs = run_greedy_episodes(model, tok, wf, tasks_)
+        res[key + "_seen_tasks"] = sum(t.reward for t in trajs) / len(trajs)
+    torch.set_grad_enabled(True)
+    return {k: round(v, 4) for k, v in res.items()}
+
+
+def _math_team_scores(model: Any, tok: Any, held: list[dict[str, Any]]) -> dict[str, float]:
+    """math-trio and math-duo on the held-out problems: team accuracy, the first solver's, the
+    planner's exact plans; for math-trio also the verifier's step reward and acts per episode."""
     res: dict[str, float] = {}
     for name in ("math-trio", "math-duo"):
         trajs = run_greedy_episodes(model, tok, _workflow(name, with_reward=True), held)
@@ -566,7 +578,16 @@ def measure(folder: str | Path, n_math: int = 100, model: Any = None) -> dict[st
             ver = [s for t in trajs for s in t.steps if s.role == "verifier"]
             res["math-trio_verifier"] = sum(s.reward for s in ver) / max(1, len(ver))
             res["math-trio_acts_per_episode"] = sum(len(t.steps) for t in trajs) / len(trajs)
-    # The verifier on balanced cases: the gold working and a wrong one, for each held-out task.
+    return res
+
+
+def _verifier_balanced(model: Any, tok: Any, held: list[dict[str, Any]]) -> float:
+    """The verifier on balanced cases: the gold working and a wrong one, for each held-out task;
+    the share of verdicts that are right."""
+    import re
+
+    from teamrl.rollout.engine import Sampling
+
     rng = random.Random(7)
     tasks, claims = [], []
     for t in held:
@@ -574,8 +595,7 @@ def measure(folder: str | Path, n_math: int = 100, model: Any = None) -> dict[st
             work, ans = _wrong_solution(t, rng) if wrong else (t["solution"], t["answer"])
             tasks.append({**t, "question": t["question"]})
             claims.append((solver_text(work, ans), ans == t["answer"]))
-    wf = _workflow("math-trio")
-    agent = wf.agent("verifier")
+    agent = _workflow("math-trio").agent("verifier")
     prompts = [
         tok.chat(
             [
@@ -585,22 +605,12 @@ def measure(folder: str | Path, n_math: int = 100, model: Any = None) -> dict[st
         )
         for t, (c, _) in zip(tasks, claims, strict=True)
     ]
-    from teamrl.rollout.engine import Sampling
-
-    backend = GreedyBackend(model, tok)
-    gens = backend._run([(p, Sampling(max_tokens=96)) for p in prompts])
+    gens = GreedyBackend(model, tok)._run([(p, Sampling(max_tokens=96)) for p in prompts])
     right = 0
     for g, (_, ok) in zip(gens, claims, strict=True):
         said = re.search(r"(?i)verdict:\s*(correct|wrong|incorrect)", g.text)
         right += bool(said) and (said.group(1).lower() == "correct") == ok
-    res["verifier_balanced"] = right / len(gens)
-    for name, key in (("search-qa", "search-qa_f1"), ("code-reflect", "code-reflect_pass")):
-        wf = _workflow(name, with_reward=True)
-        tasks_ = _tasks(name, 0)
-        trajs = run_greedy_episodes(model, tok, wf, tasks_)
-        res[key + "_seen_tasks"] = sum(t.reward for t in trajs) / len(trajs)
-    torch.set_grad_enabled(True)
-    return {k: round(v, 4) for k, v in res.items()}
+    return right / len(gens)
 
 
 # ============================================================================ build
@@ -627,9 +637,6 @@ def build_text(
     Reuses a complete build with the same parameters (build version, steps, seed, workflows) unless
     ``force``. ``measure_n`` held-out math problems are used for the accuracy check (0 skips it).
     """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from teamrl.rewards.tokenizer import HFTokenizer
 
     say = log or (lambda s: print(f"[model build text] {s}", flush=True))
@@ -641,67 +648,22 @@ def build_text(
         "seed": seed,
         "workflows": workflows_fingerprint(),
     }
-    meta_path = out / "teamrl_model.json"
-    if meta_path.exists() and not force:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("params") == params:
-            return out
+    if not force and _built_with(out, params):
+        return out
     threads = _set_threads()
     t_start = time.time()
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = _empty_dir(out.with_name(out.name + ".tmp"))
     save_tokenizer(train_tokenizer(_corpus(seed)), tmp)
     tok = HFTokenizer(tmp)
     vocab = len(tok._tok)
     say(f"tokenizer: {vocab} tokens ({time.time() - t_start:.0f}s)")
     examples = demonstrations(tok, min(4000, max(40, steps * 8)), seed)
     say(f"{len(examples)} demonstration steps ({time.time() - t_start:.0f}s)")
-
-    pad_id = tok.encode(PAD, add_special=False)[0]
-    cfg = Qwen2Config(
-        vocab_size=(vocab + 63) // 64 * 64,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        bos_token_id=tok.encode(BOS, add_special=False)[0],
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=pad_id,
-        rope_theta=10000.0,
-        **ARCH,
+    model, pad_id = _text_model(tok, vocab, seed)
+    train_s = _warm_start(
+        model, _batches(examples, tok, random.Random(f"teamrl-text-batches-{seed}")), steps, say
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
-    rng = random.Random(f"teamrl-text-batches-{seed}")
-    make = _batches(examples, tok, rng)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, min(50, steps // 10))
-
-    def lr_at(s: int) -> float:  # linear warm-up, then cosine down to 10 %
-        import math
-
-        if s < warm:
-            return (s + 1) / warm
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    t_train = time.time()
-    model.train()
-    for step in range(steps):
-        ids, labels = make()
-        loss = _loss(model, ids, labels)  # float32: bf16 autocast was 1.7x slower per step on this CPU
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            say(f"step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t_train:.0f}s)")
-    train_s = time.time() - t_train
-    model.eval()
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    gen_cfg = {"eos_token_id": tok.eos_token_id, "pad_token_id": pad_id, "do_sample": True}
-    (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=1))
+    _save_model(model, tmp, {"eos_token_id": tok.eos_token_id, "pad_token_id": pad_id, "do_sample": True})
     t_measure = time.time()
     acc = measure(tmp, n_math=measure_n, model=model) if measure_n else {}
     meta = {
@@ -719,11 +681,90 @@ def build_text(
         "held_out_tasks": "math-word-held-out",
     }
     (tmp / "teamrl_model.json").write_text(json.dumps(meta, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _replace_dir(out, tmp)
     say(f"wrote {out}: {meta['parameters']:,} parameters, warm start {train_s:.0f}s, held-out {acc}")
     return out
+
+
+def _built_with(out: Path, params: dict[str, Any]) -> bool:
+    """Whether ``out`` holds a complete build made with ``params``."""
+    meta_path = out / "teamrl_model.json"
+    return meta_path.exists() and json.loads(meta_path.read_text()).get("params") == params
+
+
+def _empty_dir(path: Path) -> Path:
+    """``path`` as a new empty folder (what was there is removed)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def _replace_dir(out: Path, new: Path) -> None:
+    """``new`` renamed to ``out``, whatever was at ``out`` removed first."""
+    if out.exists():
+        shutil.rmtree(out)
+    new.rename(out)
+
+
+def _save_model(model: Any, folder: Path, generation_config: dict[str, Any]) -> None:
+    """The model in eval mode, its weights (safetensors) and ``generation_config.json`` in ``folder``."""
+    model.eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=1))
+
+
+def _text_model(tok: Any, vocab: int, seed: int) -> tuple[Any, int]:
+    """The seeded, untrained Qwen2 model of ``ARCH`` for ``tok``'s vocabulary, and its pad id."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    pad_id = tok.encode(PAD, add_special=False)[0]
+    cfg = Qwen2Config(
+        vocab_size=(vocab + 63) // 64 * 64,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=tok.encode(BOS, add_special=False)[0],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=pad_id,
+        rope_theta=10000.0,
+        **ARCH,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg), pad_id
+
+
+def _warm_start(
+    model: Any, make: Callable[[], tuple[Any, Any]], steps: int, say: Callable[[str], None]
+) -> float:
+    """``steps`` AdamW steps on the batches ``make`` draws (linear warm-up, then cosine down to
+    10 %); the seconds it took."""
+    import math
+
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0, betas=(0.9, 0.98))
+    warm = max(1, min(50, steps // 10))
+
+    def lr_at(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    t_train = time.time()
+    model.train()
+    for step in range(steps):
+        ids, labels = make()
+        loss = _loss(model, ids, labels)  # float32: bf16 autocast was 1.7x slower per step on this CPU
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            say(f"step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t_train:.0f}s)")
+    return time.time() - t_train
 
 
 def weights_digest(folder: str | Path) -> str:
@@ -759,24 +800,11 @@ def build_random(
     workflows' prompts. For end-to-end tests on an architecture vLLM CPU supports; the weights are
     noise, so the model writes noise.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r} (known: {list(FAMILIES)})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if tokenizer_from is not None:
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if Path(tokenizer_from, f).is_file():
-                shutil.copy(Path(tokenizer_from, f), out / f)
-    else:
-        save_tokenizer(train_tokenizer(_corpus(seed), vocab_size=1024), out)
-    from tokenizers import Tokenizer
-
-    tk = Tokenizer.from_file(str(out / "tokenizer.json"))
-    vocab = tk.get_vocab_size()
-    ids = {t: tk.token_to_id(t) for t in SPECIAL_TOKENS}
+    vocab, ids = _random_tokenizer(out, seed, tokenizer_from)
     heads = hidden_size // 64
     common = {
         "vocab_size": (vocab + 63) // 64 * 64,
@@ -792,16 +820,38 @@ def build_random(
         "pad_token_id": ids.get(PAD),
         "rope_theta": 10000.0,
     }
+    model = _family_model(family, seed, common)
+    _save_model(model, out, {"eos_token_id": ids.get(EOS), "pad_token_id": ids.get(PAD)})
+    return out
+
+
+def _random_tokenizer(
+    out: Path, seed: int, tokenizer_from: Path | str | None
+) -> tuple[int, dict[str, int | None]]:
+    """The tokenizer files in ``out`` (copied from ``tokenizer_from``, else a small BPE trained
+    here): its vocabulary size and the ids of the special tokens."""
+    if tokenizer_from is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if Path(tokenizer_from, f).is_file():
+                shutil.copy(Path(tokenizer_from, f), out / f)
+    else:
+        save_tokenizer(train_tokenizer(_corpus(seed), vocab_size=1024), out)
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return tk.get_vocab_size(), {t: tk.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def _family_model(family: str, seed: int, common: dict[str, Any]) -> Any:
+    """A seeded random model of ``family`` with the ``common`` config (head_dim 64)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(seed)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(head_dim=64, **common))
-    elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        return LlamaForCausalLM(LlamaConfig(head_dim=64, **common))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common))
-    model.save_pretrained(str(out), safe_serialization=True)
-    gen_cfg = {"eos_token_id": ids.get(EOS), "pad_token_id": ids.get(PAD)}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=1))
-    return out
+    return Qwen3ForCausalLM(Qwen3Config(head_dim=64, **common))

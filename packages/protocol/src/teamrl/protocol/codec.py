@@ -130,66 +130,34 @@ def to_record_batch(trajectories: Sequence[GraphTrajectory]) -> pa.RecordBatch:
     The checks read the numpy arrays this function built (``_Numbers``), not the Arrow tree, and
     skip what holds by construction: offsets are tight, metadata keys come from dicts.
     """
-    steps = [s for t in trajectories for s in t.steps]
-    # One C-level getter per step, then a transpose: faster than a pass per field (measured).
-    columns = (
-        dict(zip(_STEP_FIELDS, zip(*map(_STEP_GETTER, steps), strict=True), strict=True))
-        if steps
-        else {f: () for f in _STEP_FIELDS}
-    )
-    lens: dict[str, np.ndarray] = {}
-    flat: dict[str, np.ndarray] = {}
-    children = []
-    for f in _STEP_FIELD_LIST:
-        values = columns[f.name]
-        if f.name in _TOKEN_DTYPES:
-            arr, lens[f.name], flat[f.name] = _flat_list(values, _TOKEN_DTYPES[f.name], f.type)
-        elif f.name == "tool_calls":
-            calls = [c for per_step in values for c in per_step]
-            tool_struct = pa.StructArray.from_arrays(
-                [pa.array(list(map(attrgetter(t.name), calls)), t.type) for t in _TOOL_FIELD_LIST],
-                fields=_TOOL_FIELD_LIST,
-            )
-            arr = _list_array(_offsets(_lengths(values)), tool_struct, f.type)
-        else:
-            arr = pa.array(values, f.type)
-        children.append(arr)
-    step_struct = pa.StructArray.from_arrays(children, fields=_STEP_FIELD_LIST)
-    step = dict(zip(_STEP_FIELDS, children, strict=True))
+    step, lens, flat, finish_reasons = _step_arrays([s for t in trajectories for s in t.steps])
     sch = S.TRAJECTORY_SCHEMA
-
-    def top(name: str) -> pa.Array:
-        return pa.array(list(map(attrgetter(name), trajectories)), sch.field(name).type)
-
     metas = [t.metadata for t in trajectories]
     turn_rewards, _, turn_flat = _flat_list(
         [t.turn_rewards for t in trajectories], np.float32, sch.field("turn_rewards").type
     )
     n_steps = np.fromiter(map(len, map(attrgetter("steps"), trajectories)), np.int64, len(trajectories))
-    seq, reward = top("seq"), top("reward")
+    seq, reward = _top_array(trajectories, "seq"), _top_array(trajectories, "reward")
     batch = pa.RecordBatch.from_arrays(
         [
-            top("episode_id"),
-            top("incarnation"),
+            _top_array(trajectories, "episode_id"),
+            _top_array(trajectories, "incarnation"),
             seq,
-            top("task_id"),
-            top("group_id"),
-            top("workflow"),
+            _top_array(trajectories, "task_id"),
+            _top_array(trajectories, "group_id"),
+            _top_array(trajectories, "workflow"),
             reward,
             turn_rewards,
-            pa.MapArray.from_arrays(
-                pa.array(_offsets(_lengths(metas))),
-                _strings([k for m in metas for k in m]),
-                _strings([v for m in metas for v in m.values()]),
-                type=sch.field("metadata").type,
+            _metadata_array(metas, sch.field("metadata").type),
+            _list_array(
+                _offsets(n_steps),
+                pa.StructArray.from_arrays(list(step.values()), fields=_STEP_FIELD_LIST),
+                sch.field("steps").type,
             ),
-            _list_array(_offsets(n_steps), step_struct, sch.field("steps").type),
         ],
         schema=sch,
     )
-    for path, arr in (*zip(batch.schema.names, batch.columns, strict=True), *step.items()):
-        if arr.null_count:  # a None in a Python column
-            raise SchemaMismatch(f"{path} has {arr.null_count} nulls; no field is nullable")
+    _refuse_nulls((*zip(batch.schema.names, batch.columns, strict=True), *step.items()))
     _check_numbers(
         _Numbers(
             num_rows=len(trajectories),
@@ -202,10 +170,67 @@ def to_record_batch(trajectories: Sequence[GraphTrajectory]) -> pa.RecordBatch:
             policy_version=step["policy_version"].to_numpy(),
             turn=step["turn"].to_numpy(),
             seq=seq.to_numpy(),
-            finish_reasons=set(columns["finish_reason"]),
+            finish_reasons=finish_reasons,
         )
     )
     return batch
+
+
+def _step_arrays(
+    steps: Sequence[AgentStep],
+) -> tuple[dict[str, pa.Array], dict[str, np.ndarray], dict[str, np.ndarray], set[str]]:
+    """Every step column as one Arrow array, in ``STEP_TYPE`` order; the token columns' row lengths
+    and flat numpy values (for the field checks); the distinct finish reasons."""
+    # One C-level getter per step, then a transpose: faster than a pass per field (measured).
+    columns = (
+        dict(zip(_STEP_FIELDS, zip(*map(_STEP_GETTER, steps), strict=True), strict=True))
+        if steps
+        else {f: () for f in _STEP_FIELDS}
+    )
+    arrays: dict[str, pa.Array] = {}
+    lens: dict[str, np.ndarray] = {}
+    flat: dict[str, np.ndarray] = {}
+    for f in _STEP_FIELD_LIST:
+        values = columns[f.name]
+        if f.name in _TOKEN_DTYPES:
+            arrays[f.name], lens[f.name], flat[f.name] = _flat_list(values, _TOKEN_DTYPES[f.name], f.type)
+        elif f.name == "tool_calls":
+            arrays[f.name] = _tool_calls_array(values, f.type)
+        else:
+            arrays[f.name] = pa.array(values, f.type)
+    return arrays, lens, flat, set(columns["finish_reason"])
+
+
+def _tool_calls_array(per_step: Sequence[Sequence[ToolCall]], list_type: pa.DataType) -> pa.ListArray:
+    """The ``tool_calls`` column: every step's calls as one struct array, one column getter per field."""
+    calls = [c for step_calls in per_step for c in step_calls]
+    tool_struct = pa.StructArray.from_arrays(
+        [pa.array(list(map(attrgetter(t.name), calls)), t.type) for t in _TOOL_FIELD_LIST],
+        fields=_TOOL_FIELD_LIST,
+    )
+    return _list_array(_offsets(_lengths(per_step)), tool_struct, list_type)
+
+
+def _top_array(trajectories: Sequence[GraphTrajectory], name: str) -> pa.Array:
+    """A plain per-trajectory column (one value per row)."""
+    return pa.array(list(map(attrgetter(name), trajectories)), S.TRAJECTORY_SCHEMA.field(name).type)
+
+
+def _metadata_array(metas: Sequence[dict[str, str]], map_type: pa.DataType) -> pa.MapArray:
+    """The ``metadata`` column: one map per trajectory, keys and values flattened once."""
+    return pa.MapArray.from_arrays(
+        pa.array(_offsets(_lengths(metas))),
+        _strings([k for m in metas for k in m]),
+        _strings([v for m in metas for v in m.values()]),
+        type=map_type,
+    )
+
+
+def _refuse_nulls(arrays: Iterable[tuple[str, pa.Array]]) -> None:
+    """A None in a Python column becomes a null: refused, naming the column."""
+    for path, arr in arrays:
+        if arr.null_count:
+            raise SchemaMismatch(f"{path} has {arr.null_count} nulls; no field is nullable")
 
 
 def encode_trajectories_buffer(trajectories: Sequence[GraphTrajectory]) -> pa.Buffer:

@@ -451,53 +451,16 @@ def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> Sa
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, True)
     try:
-        job = {
-            "nonce": secrets.token_hex(16),
-            "report_fd": write_fd,
-            "parent_pid": None if namespaced else os.getpid(),
-            "drop_to": _NOBODY if namespaced and os.geteuid() == 0 else None,
-            "code": code,
-            "steps": [{"kind": s.kind, "source": s.source} for s in steps],
-            "limits": {
-                "cpu_s": limits.cpu_s or math.ceil(limits.timeout_s) + 1,
-                "memory_bytes": limits.memory_mb << 20,
-                "file_size_bytes": limits.file_size_mb << 20,
-                "nproc": limits.nproc,
-            },
-        }
-        job_path = os.path.join(workdir, "job.json")
-        with open(job_path, "w") as f:
+        job = _job(code, steps, limits, namespaced, write_fd)
+        with open(os.path.join(workdir, "job.json"), "w") as f:
             json.dump(job, f)
-        env = dict(_ENV_BASE, HOME=inner_dir, TMPDIR=inner_dir)
-        for var in ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy"):
-            env[var] = env[var.upper()] = _DEAD_PROXY
         flags = ["-I"] if limits.site_packages else ["-I", "-S"]
         cmd = [sys.executable, *flags, "-c", HARNESS, os.path.join(inner_dir, "job.json")]
         if namespaced:
             cmd = _bwrap_args(workdir) + cmd
         start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=workdir,
-                env=env,
-                start_new_session=True,
-                pass_fds=(write_fd,),
-            )
-        except OSError as exc:
-            raise SandboxUnavailable(f"cannot start {sys.executable}: {exc}") from exc
-        finally:
-            os.close(write_fd)
-        try:
-            bufs, timed_out, limited = _collect(proc, read_fd, limits, start)
-        finally:
-            returncode = _kill_and_reap(proc)
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+        proc = _start_child(cmd, workdir, _child_env(inner_dir), write_fd)
+        bufs, timed_out, limited, returncode = _wait_child(proc, read_fd, limits, start)
         wall_s = time.monotonic() - start
         if namespaced and returncode is not None and returncode > 128:
             returncode = 128 - returncode  # bwrap exits 128 + n when its child died of signal n
@@ -518,6 +481,68 @@ def run_python(code: str, steps: list[Step], limits: Limits | None = None) -> Sa
         workdir=workdir,
         sandbox="namespace" if namespaced else "process",
     )
+
+
+def _job(code: str, steps: list[Step], limits: Limits, namespaced: bool, report_fd: int) -> dict[str, Any]:
+    """What the harness reads from job.json: a fresh nonce, where to report, the code, the steps
+    and the rlimits the child sets on itself."""
+    return {
+        "nonce": secrets.token_hex(16),
+        "report_fd": report_fd,
+        "parent_pid": None if namespaced else os.getpid(),
+        "drop_to": _NOBODY if namespaced and os.geteuid() == 0 else None,
+        "code": code,
+        "steps": [{"kind": s.kind, "source": s.source} for s in steps],
+        "limits": {
+            "cpu_s": limits.cpu_s or math.ceil(limits.timeout_s) + 1,
+            "memory_bytes": limits.memory_mb << 20,
+            "file_size_bytes": limits.file_size_mb << 20,
+            "nproc": limits.nproc,
+        },
+    }
+
+
+def _child_env(inner_dir: str) -> dict[str, str]:
+    """A clean environment: HOME and TMPDIR the run's folder, every proxy a closed local port."""
+    env = dict(_ENV_BASE, HOME=inner_dir, TMPDIR=inner_dir)
+    for var in ("http_proxy", "https_proxy", "ftp_proxy", "all_proxy"):
+        env[var] = env[var.upper()] = _DEAD_PROXY
+    return env
+
+
+def _start_child(cmd: list[str], workdir: str, env: dict[str, str], report_fd: int) -> subprocess.Popen:
+    """Start the harness in its own session, handing it only the report pipe's write end (which
+    the parent closes here, so EOF on the read end means every holder is gone)."""
+    try:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=env,
+            start_new_session=True,
+            pass_fds=(report_fd,),
+        )
+    except OSError as exc:
+        raise SandboxUnavailable(f"cannot start {sys.executable}: {exc}") from exc
+    finally:
+        os.close(report_fd)
+
+
+def _wait_child(
+    proc: subprocess.Popen, report_fd: int, limits: Limits, start: float
+) -> tuple[dict[str, bytes], bool, bool, int | None]:
+    """Collect the child's output and report, then kill its whole group and reap it:
+    (buffers, timed out, output limited, exit status or None)."""
+    try:
+        bufs, timed_out, limited = _collect(proc, report_fd, limits, start)
+    finally:
+        returncode = _kill_and_reap(proc)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    return bufs, timed_out, limited, returncode
 
 
 def _parse_report(raw: bytes, nonce: str) -> tuple[list[dict[str, Any]], int]:

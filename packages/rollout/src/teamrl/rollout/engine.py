@@ -75,6 +75,12 @@ class _Loaded:
     path: str
     inflight: int = 0
 
+    def request(self) -> Any:
+        """The vLLM ``LoRARequest`` naming this loaded version."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(self.name, self.lora_id, self.path)
+
 
 @dataclass
 class EngineConfig:
@@ -158,10 +164,8 @@ class RolloutEngine:
     def _lora(self, adapter: str) -> tuple[Any, _Loaded | None]:
         if not adapter or adapter not in self._current:
             return None, None
-        from vllm.lora.request import LoRARequest
-
         entry = self._current[adapter]
-        return LoRARequest(entry.name, entry.lora_id, entry.path), entry
+        return entry.request(), entry
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: Sampling, adapter: str = "", seed: int | None = None
@@ -263,63 +267,87 @@ class RolloutEngine:
         "base_gap": the same against the base model on the main probe, "probed": adapters
         verified}. Raises :class:`AdapterRefused` and leaves the current versions in use.
         """
-        from vllm.lora.request import LoRARequest
-
         if version <= self.version and self._current:
             raise AdapterRefused("stale_version", f"version {version} <= current {self.version}")
-        staged: dict[str, _Loaded] = {}
+        staged: dict[str, _Loaded] = {}  # filled as each adapter loads: removed again on any refusal
         try:
-            for name, folder in folders.items():
-                _check_adapter_folder(folder, self.cfg.max_lora_rank)
-                entry = _Loaded(version, next(self._ids), f"{name}@v{version}", str(folder))
-                try:
-                    ok = await self._llm.add_lora(LoRARequest(entry.name, entry.lora_id, entry.path))
-                except Exception as e:  # vLLM raises assorted types for bad adapters
-                    raise AdapterRefused("load_failed", f"vLLM refused {name} v{version}: {e}") from e
-                if ok is False:
-                    raise AdapterRefused("load_failed", f"vLLM refused {name} v{version}")
-                staged[name] = entry
-            if probe_adapter not in staged:
-                raise AdapterRefused("probe_failed", f"probe adapter {probe_adapter!r} not in the payload")
-            p = staged[probe_adapter]
-            got = await self.score(probe_prompt, probe_completion, LoRARequest(p.name, p.lora_id, p.path))
-            base = await self.score(probe_prompt, probe_completion, None)
-            err = max(abs(a - b) for a, b in zip(got, expected, strict=True))
-            gap = max(abs(a - b) for a, b in zip(base, expected, strict=True))
-            if err > atol:
-                raise AdapterRefused(
-                    "probe_failed",
-                    f"v{version} {probe_adapter}: probe log-probs differ from the learner's by {err:.4f} "
-                    f"> {atol} (base model differs by {gap:.4f}): adapter not applied as trained",
-                )
-            probed = 1
-            for name, pr in (more_probes or {}).items():
-                if name == probe_adapter:
-                    continue
-                if name not in staged:
-                    raise AdapterRefused("probe_failed", f"probe for adapter {name!r} not in the payload")
-                q = staged[name]
-                got = await self.score(
-                    pr.prompt_ids, pr.completion_ids, LoRARequest(q.name, q.lora_id, q.path)
-                )
-                e = max(abs(a - b) for a, b in zip(got, pr.expected_logprobs, strict=True))
-                if e > pr.atol:
-                    raise AdapterRefused(
-                        "probe_failed",
-                        f"v{version} {name}: probe log-probs differ from the learner's by {e:.4f} > {pr.atol}",
-                    )
-                err, probed = max(err, e), probed + 1
+            await self._stage(version, folders, staged)
+            err, gap = await self._probe(
+                version, staged, probe_adapter, probe_prompt, probe_completion, expected, atol
+            )
+            more_err, more = await self._probe_more(version, staged, probe_adapter, more_probes or {})
         except BaseException:
             for e in staged.values():
                 await self._remove(e)
             raise
+        self._switch_to(version, staged)
+        return {"probe_err": max(err, more_err), "base_gap": gap, "probed": 1 + more}
+
+    async def _stage(self, version: int, folders: dict[str, Path], staged: dict[str, _Loaded]) -> None:
+        """Check and load each adapter folder as ``<name>@v<version>``, into ``staged`` as it loads."""
+        for name, folder in folders.items():
+            _check_adapter_folder(folder, self.cfg.max_lora_rank)
+            entry = _Loaded(version, next(self._ids), f"{name}@v{version}", str(folder))
+            try:
+                ok = await self._llm.add_lora(entry.request())
+            except Exception as e:  # vLLM raises assorted types for bad adapters
+                raise AdapterRefused("load_failed", f"vLLM refused {name} v{version}: {e}") from e
+            if ok is False:
+                raise AdapterRefused("load_failed", f"vLLM refused {name} v{version}")
+            staged[name] = entry
+
+    async def _probe(
+        self,
+        version: int,
+        staged: dict[str, _Loaded],
+        adapter: str,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        expected: Sequence[float],
+        atol: float,
+    ) -> tuple[float, float]:
+        """The main probe: (max |Δ log-prob| of ``adapter`` against the learner, the same for the base
+        model); refused past ``atol``."""
+        if adapter not in staged:
+            raise AdapterRefused("probe_failed", f"probe adapter {adapter!r} not in the payload")
+        err = _max_diff(await self.score(prompt, completion, staged[adapter].request()), expected)
+        gap = _max_diff(await self.score(prompt, completion, None), expected)
+        if err > atol:
+            raise AdapterRefused(
+                "probe_failed",
+                f"v{version} {adapter}: probe log-probs differ from the learner's by {err:.4f} "
+                f"> {atol} (base model differs by {gap:.4f}): adapter not applied as trained",
+            )
+        return err, gap
+
+    async def _probe_more(
+        self, version: int, staged: dict[str, _Loaded], main: str, probes: Mapping[str, Any]
+    ) -> tuple[float, int]:
+        """Every other adapter's own probe: (the largest error, how many were verified)."""
+        err, probed = 0.0, 0
+        for name, pr in probes.items():
+            if name == main:
+                continue
+            if name not in staged:
+                raise AdapterRefused("probe_failed", f"probe for adapter {name!r} not in the payload")
+            got = await self.score(pr.prompt_ids, pr.completion_ids, staged[name].request())
+            e = _max_diff(got, pr.expected_logprobs)
+            if e > pr.atol:
+                raise AdapterRefused(
+                    "probe_failed",
+                    f"v{version} {name}: probe log-probs differ from the learner's by {e:.4f} > {pr.atol}",
+                )
+            err, probed = max(err, e), probed + 1
+        return err, probed
+
+    def _switch_to(self, version: int, staged: dict[str, _Loaded]) -> None:
+        """New requests use ``staged``; the versions they replace are released once unused."""
         for name, e in staged.items():
             if name in self._current:
                 self._old.append(self._current[name])
             self._current[name] = e
         self.version = version
         self._release_old()
-        return {"probe_err": err, "base_gap": gap, "probed": probed}
 
     async def _remove(self, e: _Loaded) -> None:
         try:
@@ -336,6 +364,11 @@ class RolloutEngine:
             else:
                 still.append(e)
         self._old = still
+
+
+def _max_diff(got: Sequence[float], expected: Sequence[float]) -> float:
+    """max |got - expected| over the tokens of a probe."""
+    return max(abs(a - b) for a, b in zip(got, expected, strict=True))
 
 
 def _check_adapter_folder(folder: Path, max_rank: int) -> None:

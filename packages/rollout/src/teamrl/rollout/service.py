@@ -3,7 +3,8 @@
 ``teamrl rollout --buffer tcp://buffer:5555 --weights tcp://learner-0.learner:5557`` runs, in one
 asyncio loop plus one sender thread::
 
-    start        vLLM engine (RolloutEngine) up and warm; ask the learner for its latest adapters
+    start        vLLM engine (RolloutEngine) up and warm, one per base (teamrl.rollout.bases); ask
+                 the learner for its latest adapters
     weights      (teamrl.rollout.weights) WeightsPublished (PUB, gaps healed through the "latest"
                  endpoint) -> payload (inline chunks or the shared folder) -> sha256 check -> safe
                  unpack -> vLLM load as <adapter>@v<version> -> probe verification; only then do
@@ -15,6 +16,8 @@ asyncio loop plus one sender thread::
                  A finished group is one Arrow frame handed to the sender thread.
     replica 0    held-out evaluations and a sample group per version (teamrl.rollout.evaluation)
     sender       the thread that owns the ZeroMQ DEALER (credit window, acks, resend after reconnect)
+    heartbeat    Hello, then a Heartbeat every few seconds, to the buffer's RPC endpoint
+                 (teamrl.rollout.heartbeat); never fatal
     SIGTERM      /readyz turns false, no new groups start; groups in flight get ``drain_timeout_s``
                  to finish, the rest are cancelled (a cancelled episode is never published, in part
                  or whole); the sender gets ``flush_timeout_s`` to send what is queued and have
@@ -53,12 +56,10 @@ import queue
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from teamrl.protocol.config import TransportConfig
 from teamrl.protocol.configfile import ConfigError, load_section
 from teamrl.rollout import metrics as M
+from teamrl.rollout.bases import Bases, ServedBase
+from teamrl.rollout.bases import engine_cpu_shares as engine_cpu_shares  # re-exported
 from teamrl.rollout.evaluation import Evaluator
-from teamrl.rollout.weights import WeightsApplier
+from teamrl.rollout.heartbeat import heartbeats
 
 log = logging.getLogger("teamrl.rollout")
 
@@ -164,18 +167,6 @@ class RolloutConfig(BaseModel):
         description="one engine per base model of the workflow, by model id (its [models]); empty = one "
         "engine from model, max_lora_rank, lora_target_modules and start_version (set: those are unused)",
     )
-
-
-@dataclass(frozen=True)
-class ServedBase:
-    """One base model the service serves: its engine's settings and the learner link it follows."""
-
-    model_id: str  # the workflow's model id (a key of its [models])
-    path: str  # model folder
-    max_lora_rank: int
-    lora_target_modules: tuple[str, ...]
-    weights: str  # learner weights PUB endpoint; "" = not followed (no agent trains on this base)
-    start_version: int
 
 
 def parse_weights_flags(flags: str | Sequence[str] | None) -> tuple[str | None, dict[str, str]]:
@@ -317,16 +308,6 @@ def _several_bases(
     return bases
 
 
-@dataclass
-class _Base:
-    """One base model at run time: its plan, engine and weights applier."""
-
-    plan: ServedBase
-    engine: Any  # RolloutEngine
-    applier: Any = None  # WeightsApplier, set once the runner exists
-    up: bool = False  # engine started
-
-
 # --------------------------------------------------------------------------------------------
 # the sender thread
 
@@ -405,6 +386,10 @@ class _Sender(threading.Thread):
             self.lost = sender.close() + unsent
             M.PUBLISH_QUEUE.set(self.lost)
 
+    def load(self) -> float:
+        """Frames queued or in flight, as a share of the window (capped at 1): the heartbeat's load."""
+        return min(1.0, (self.q.qsize() + self.unacked) / max(1, self.window))
+
     def put(self, payload: bytes) -> None:
         self.q.put(payload)
         M.PUBLISH_QUEUE.set(self.q.qsize() + self.unacked)
@@ -428,6 +413,13 @@ class _Http(http.server.ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int], svc: RolloutService) -> None:
         self.svc = svc
         super().__init__(addr, _Handler)
+
+    @classmethod
+    def serve(cls, host: str, port: int, svc: RolloutService) -> _Http:
+        """Bound to ``host:port`` and serving from a daemon thread."""
+        server = cls((host, port), svc)
+        threading.Thread(target=server.serve_forever, name="teamrl-http", daemon=True).start()
+        return server
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -496,9 +488,10 @@ class RolloutService:
 
     ``weights``: the ``--weights`` values (one endpoint, or ``MODEL_ID=ENDPOINT`` ones; None = the
     default endpoint for one base). ``bases`` maps each base model id to its engine and weights
-    applier (:func:`resolve_bases`); ``engine`` and ``applier`` are the first base's. LangMARL
-    profile versions are applied only from the first base's link: the learner group of the first
-    base of ``[rollout.models]`` runs the profile rounds (docs/architecture.md §3)."""
+    applier (:func:`resolve_bases`, ``teamrl.rollout.bases``); ``engine`` and ``applier`` are the
+    first base's. LangMARL profile versions are applied only from the first base's link: the
+    learner group of the first base of ``[rollout.models]`` runs the profile rounds
+    (docs/architecture.md §3)."""
 
     def __init__(
         self,
@@ -520,28 +513,16 @@ class RolloutService:
         self.last_tick = time.monotonic()
         self.groups_done = 0
         self.episodes_done = 0
-        self.http: _Http | None = None
-        if metrics_port > 0:
-            self.http = _Http((metrics_host, metrics_port), self)
-            threading.Thread(target=self.http.serve_forever, name="teamrl-http", daemon=True).start()
+        self.http = _Http.serve(metrics_host, metrics_port, self) if metrics_port > 0 else None
         self.sender = _Sender(
             buffer, self.incarnation, cfg.window, self.transport.client_curve("rollout", "buffer_data")
         )
         self.sender.flush_timeout_s = cfg.flush_timeout_s
         self.fatal = False  # an engine died: exit non-zero so a supervisor restarts the service
-        self._place_replica()
-        self._build_engines(plans)
-        root = Path(cfg.adapter_dir or tempfile.mkdtemp(prefix="teamrl-adapters-"))
-        followed = [b for b in self.bases.values() if b.plan.weights]
-        first = followed[0] if followed else None  # its learner group runs the profile rounds
-        for b in self.bases.values():
-            b.applier = WeightsApplier(
-                b.engine,
-                self.runner,
-                root if len(self.bases) == 1 else root / b.plan.model_id,
-                model_id=b.plan.model_id,
-                profiles=b is first,
-            )
+        self.replica, self.num_replicas, self.seed_offset = place_replica(cfg, self.incarnation)
+        self.bases = Bases.build(plans, cfg.seed + self.seed_offset, cfg.keep_versions, cfg.kv_cache_bytes)
+        self.runner = _workflow_runner(cfg, self.bases, self.incarnation)
+        self.bases.attach_appliers(self.runner, cfg.adapter_dir)
         self.evaluator = Evaluator(cfg, self.runner, self.replica)
 
     @property
@@ -554,49 +535,9 @@ class RolloutService:
         """The first base's weights applier."""
         return next(iter(self.bases.values())).applier
 
-    def _place_replica(self) -> None:
-        """Where this replica stands: its shard of the tasks and its sampling seeds."""
-        cfg = self.cfg
-        ordinal = cfg.replica if cfg.replica >= 0 else _replica_from_env()
-        self.replica, self.num_replicas, self.seed_offset = ordinal or 0, cfg.num_replicas, ordinal or 0
-        if ordinal is None:
-            # A Deployment pod (name ends in a hash): no index to shard by. Every pod takes the
-            # whole task set and seeds from its incarnation id, so pods never repeat each other.
-            self.num_replicas = 1
-            self.seed_offset = int(self.incarnation.rsplit("-", 1)[-1], 16) % 2**31
-            if cfg.num_replicas > 1:
-                log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
-
-    def _build_engines(self, plans: dict[str, ServedBase]) -> None:
-        """One engine per base (started by ``start``) and the workflow runner on them."""
-        from teamrl.rollout.engine import EngineConfig, RolloutEngine
-        from teamrl.rollout.runner import WorkflowRunner
-
-        cfg = self.cfg
-        self.bases: dict[str, _Base] = {}
-        for model_id, plan in plans.items():
-            engine = RolloutEngine(
-                EngineConfig(
-                    model=plan.path,  # one base: set by with_model() (the embedded model when none)
-                    seed=cfg.seed + self.seed_offset,
-                    max_lora_rank=plan.max_lora_rank,
-                    lora_target_modules=plan.lora_target_modules,
-                    keep_versions=cfg.keep_versions,
-                    kv_cache_bytes=cfg.kv_cache_bytes,
-                )
-            )
-            self.bases[model_id] = _Base(plan, engine)
-        self.runner = WorkflowRunner(
-            cfg.workflow,
-            {model_id: b.engine for model_id, b in self.bases.items()},
-            self.incarnation,
-            tasks=cfg.tasks,
-            reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
-        )
-
     def not_ready_reason(self) -> str:
         if not self.started:
-            down = [m for m, b in self.bases.items() if not b.up]
+            down = self.bases.down()
             return "engine starting" + (f" ({', '.join(down)})" if len(self.bases) > 1 else "")
         if self.stopping:
             return "draining"
@@ -612,8 +553,7 @@ class RolloutService:
         curve = self.transport.client_curve("rollout", "learner_weights")
         return [
             b.applier.follow(b.plan.weights, curve, lambda: self.stopping, self.maybe_evaluate)
-            for b in self.bases.values()
-            if b.plan.weights
+            for b in self.bases.followed()
         ]
 
     async def weights_loop(self) -> None:
@@ -624,7 +564,7 @@ class RolloutService:
         """Evaluate (replica 0, every ``eval_interval`` versions) at the lowest live version over the
         followed bases, once each base's learner answered; "final" once every one of them announced
         its final version (``final``, one link's flag, is read from the appliers)."""
-        followed = [b for b in self.bases.values() if b.plan.weights]
+        followed = self.bases.followed()
         if not all(b.applier.answered for b in followed):
             return  # a restarted rollout evaluates the run's versions, not the base weights it starts on
         versions = {m: b.engine.version for m, b in self.bases.items()}
@@ -634,15 +574,17 @@ class RolloutService:
 
     def live_version(self) -> int:
         """The lowest adapter version live over the bases that follow a learner (0: none yet)."""
-        return min((b.engine.version for b in self.bases.values() if b.plan.weights), default=0)
+        return self.bases.live_version()
 
     def live_versions(self) -> tuple[int, ...]:
         """The adapter version live on each base (in ``bases`` order)."""
-        return tuple(b.engine.version for b in self.bases.values())
+        return self.bases.live_versions()
 
     # --- episodes -----------------------------------------------------------------------------
 
     async def run_group(self, task: dict, seeds: list[int], group_no: int) -> None:
+        """The ``seeds`` episodes of ``task``, published as one frame once all finished (none of
+        them when any fails); then counted, and maybe kept as the version's sample group."""
         from teamrl.protocol.codec import encode_trajectories
 
         M.INFLIGHT.inc(len(seeds))
@@ -658,21 +600,11 @@ class RolloutService:
             raise
         except Exception as e:  # a broken episode must not stop the service; nothing partial goes out
             M.ABANDONED.labels("error").inc(len(seeds))
-            if type(e).__name__ == "EngineDeadError":  # any engine: vLLM cannot recover; exit, restart
-                if not self.fatal:
-                    log.error("a vLLM engine died (%s): draining and exiting with code 3", e)
-                self.fatal = True
-                self.request_stop("engine dead")
-                return
-            log.exception("group %d (task %s) failed: %s", group_no, task.get("id"), e)
+            self._group_failed(e, group_no, task)
             return
         finally:
             M.INFLIGHT.dec(len(seeds))
-        for t in trajs:
-            for s in t.steps:
-                M.STEPS.labels(s.agent_id).inc()
-                M.TOKENS.labels(s.agent_id).inc(len(s.response_ids))
-                M.REWARD.labels(s.agent_id).observe(float(s.reward))
+        _count_steps(trajs)
         await self.sender.put_bounded(
             encode_trajectories(list(trajs)), self.cfg.max_queued_frames, lambda: self.stopping
         )
@@ -681,13 +613,24 @@ class RolloutService:
         self.episodes_done += len(trajs)
         self.evaluator.maybe_write_sample(list(trajs))
 
+    def _group_failed(self, e: Exception, group_no: int, task: dict) -> None:
+        """A dead engine (any base: vLLM cannot recover) stops the service with exit code 3, for a
+        supervisor to restart it; any other failure is logged and generation goes on."""
+        if type(e).__name__ == "EngineDeadError":
+            if not self.fatal:
+                log.error("a vLLM engine died (%s): draining and exiting with code 3", e)
+            self.fatal = True
+            self.request_stop("engine dead")
+            return
+        log.exception("group %d (task %s) failed: %s", group_no, task.get("id"), e)
+
     async def wait_for_version(self) -> None:
         """Generate nothing before every base's ``start_version`` is live on its engine (a resumed
         run's current weights): data sampled from older weights would only be dropped as stale.
         Says every few seconds what it waits for; a stop ends the wait."""
         t0, said = time.monotonic(), 0.0
         while not self.stopping:
-            behind = [b.plan for b in self.bases.values() if b.engine.version < b.plan.start_version]
+            behind = self.bases.behind()
             if not behind:
                 return
             waited = time.monotonic() - t0
@@ -704,6 +647,8 @@ class RolloutService:
             await asyncio.sleep(0.2)
 
     async def produce(self) -> None:
+        """Start groups of this replica's tasks (shuffled anew each pass) while there is room in
+        flight and the version budget allows, until a stop or ``max_groups``; then drain."""
         rng = random.Random(self.cfg.seed * 7919 + self.seed_offset)
         tasks = list(self.runner.train_tasks(self.replica, self.num_replicas))
         if not tasks:
@@ -730,82 +675,44 @@ class RolloutService:
                     continue
                 await asyncio.sleep(0.02)
         finally:
-            if inflight:
-                log.info("draining: %d groups in flight get %.0f s", len(inflight), self.cfg.drain_timeout_s)
-                _done, pending = await asyncio.wait(inflight, timeout=self.cfg.drain_timeout_s)
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+            await _drain(inflight, self.cfg.drain_timeout_s)
+
+    # --- side loops ---------------------------------------------------------------------------
 
     async def heartbeat_loop(self) -> None:
-        """Hello once (who I am), then a Heartbeat every interval, to the buffer's RPC endpoint.
+        """Hello, then Heartbeats, to the buffer's RPC endpoint (``teamrl.rollout.heartbeat``)."""
+        from teamrl.protocol.zmq_transport import latest_endpoint_for
 
-        The data path never depends on this: a buffer that does not answer is logged, not fatal."""
-        from teamrl.protocol.control import Heartbeat, Hello
-        from teamrl.protocol.errors import PeerTimeout
-        from teamrl.protocol.zmq_transport import RpcClient, latest_endpoint_for
-
-        endpoint = self.cfg.buffer_control or latest_endpoint_for(self.buffer)
-        rpc = RpcClient(endpoint, timeout_ms=2000, curve=self.transport.client_curve("rollout", "buffer_rpc"))
-        hello = Hello(
-            service="rollout", incarnation=self.incarnation, capabilities=["arrow-v1", self.cfg.workflow]
+        await heartbeats(
+            self.cfg.buffer_control or latest_endpoint_for(self.buffer),
+            self.incarnation,
+            ["arrow-v1", self.cfg.workflow],
+            curve=self.transport.client_curve("rollout", "buffer_rpc"),
+            interval_s=self.cfg.heartbeat_interval_s,
+            load=self.sender.load,
+            stopping=lambda: self.stopping,
         )
-        said_hello, beat = False, 0
-        last_answer = time.monotonic()
-        try:
-            while not self.stopping:
-                msg = (
-                    hello
-                    if not said_hello
-                    else Heartbeat(
-                        incarnation=self.incarnation,
-                        seq=beat,
-                        time=time.time(),
-                        load=min(
-                            1.0, (self.sender.q.qsize() + self.sender.unacked) / max(1, self.cfg.window)
-                        ),
-                    )
-                )
-                try:
-                    await asyncio.to_thread(rpc.call, msg)
-                    if said_hello:
-                        beat += 1
-                    said_hello = True
-                    last_answer = time.monotonic()
-                except PeerTimeout:  # said every few seconds: which endpoint, for how long
-                    log.warning(
-                        "buffer control endpoint %s has not answered for %.0f s (%s)",
-                        endpoint,
-                        time.monotonic() - last_answer,
-                        msg.type,
-                    )
-                await asyncio.sleep(self.cfg.heartbeat_interval_s if said_hello else 1.0)
-        finally:
-            rpc.close()
 
     async def throughput_loop(self) -> None:
         last, t_last = 0, time.monotonic()
         while not self.stopping:
             await asyncio.sleep(2.0)
-            now, n = time.monotonic(), sum(b.engine.tokens_generated for b in self.bases.values())
+            now, n = time.monotonic(), self.bases.tokens_generated()
             M.THROUGHPUT.set((n - last) / (now - t_last))
             last, t_last = n, now
             self.last_tick = now
+
+    # --- life cycle ---------------------------------------------------------------------------
 
     async def main(self) -> int:
         """Start the engine, run the loops until a stop, drain; the exit code (3: engine dead, a
         supervisor restarts the service; 1: frames never acknowledged)."""
         from teamrl.protocol.children import start_reaper
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        self._handle_signals()
         start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
         await self.start()
-        loops = [
-            asyncio.create_task(c)
-            for c in (*self.weights_loops(), self.throughput_loop(), self.heartbeat_loop())
-        ]
+        loops = self._start_loops()
         try:
             await self.wait_for_version()
             await self.produce()
@@ -821,19 +728,25 @@ class RolloutService:
             return 3
         return 0 if self.sender.lost == 0 else 1
 
+    def _handle_signals(self) -> None:
+        """SIGTERM and SIGINT request a stop (a drain), once the loop runs."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+
+    def _start_loops(self) -> list[asyncio.Task]:
+        """The side loops as tasks: weights (one per followed base), throughput, heartbeat."""
+        return [
+            asyncio.create_task(c)
+            for c in (*self.weights_loops(), self.throughput_loop(), self.heartbeat_loop())
+        ]
+
     async def start(self) -> None:
         """The sender thread and the vLLM engines, one after the other (start-up and warm-up take
         most of the time); a failed start closes the engines already up."""
         self.sender.start()
         t0 = time.time()
-        try:
-            for b, share in zip(self.bases.values(), engine_cpu_shares(len(self.bases)), strict=True):
-                with _environ(share):  # read when vLLM spawns the engine's process, inside start()
-                    await b.engine.start()
-                b.up = True
-        except BaseException:
-            await self._close_engines()
-            raise
+        await self.bases.start()
         self.started = True
         M.READY.set(1)
         log.info(
@@ -844,20 +757,8 @@ class RolloutService:
             self.num_replicas,
             self.cfg.workflow,
             self.buffer,
-            ", ".join(
-                f"{m}={b.plan.weights or '(none)'}" if len(self.bases) > 1 else b.plan.weights
-                for m, b in self.bases.items()
-            ),
+            self.bases.weights_summary(),
         )
-
-    async def _close_engines(self) -> None:
-        """Close every engine that was started; one failing to close does not keep the others up."""
-        for m, b in self.bases.items():
-            try:
-                await b.engine.close()
-            except Exception as e:
-                log.warning("closing the engine of %s failed: %s", m, e)
-            b.up = False
 
     async def shutdown(self, loops: list[asyncio.Task]) -> None:
         """Stop the loops, let the sender flush (acks), close the engine and the HTTP endpoint."""
@@ -868,7 +769,7 @@ class RolloutService:
         await asyncio.gather(*loops, return_exceptions=True)
         self.sender.stop_event.set()
         await asyncio.to_thread(self.sender.join)
-        await self._close_engines()
+        await self.bases.close()
         if self.http is not None:
             self.http.shutdown()
 
@@ -879,58 +780,50 @@ class RolloutService:
         M.READY.set(0)
 
 
-def engine_cpu_shares(n: int, environ: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """Environment additions giving the ``n`` engines of one service disjoint cores.
+def place_replica(cfg: RolloutConfig, incarnation: str) -> tuple[int, int, int]:
+    """Where this replica stands: (its index, the replicas sharing the tasks, its seed offset).
 
-    With vLLM's automatic binding every engine of a process binds its worker to the same first
-    cores, and on the 2-core test machine one of two engines so bound sometimes never finished
-    starting (``teamrl.rollout.cpus``). So the cores this service may use (a launcher's
-    ``VLLM_CPU_OMP_THREADS_BIND`` list, else its affinity) are split with ``cpus.core_shares``.
-    Nothing is added for one engine, for an operator's ``nobind``, or under a CPU quota smaller
-    than the cores (the engine then runs its worker unpinned, ``cpus.configure_vllm_cpu_threads``)."""
-    from teamrl.rollout.cpus import core_shares, cpu_quota
-
-    env = dict(os.environ) if environ is None else environ
-    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if n == 1 or bind == "nobind":
-        return [{} for _ in range(n)]
-    cores = _core_list(bind) if bind and bind not in ("auto", "all") else None
-    if cores is None:
-        if bind and bind not in ("auto", "all"):  # a form we do not split (e.g. per-rank "a|b")
-            return [{} for _ in range(n)]
-        allowed = os.sched_getaffinity(0)
-        quota = cpu_quota()
-        if quota is not None and quota < len(allowed):
-            return [{} for _ in range(n)]
-        cores = sorted(allowed)
-    return core_shares(n, cores, environ={})
+    A Deployment pod (name ends in a hash) has no index to shard by: every such pod takes the
+    whole task set and seeds from its incarnation id, so pods never repeat each other."""
+    ordinal = cfg.replica if cfg.replica >= 0 else _replica_from_env()
+    if ordinal is not None:
+        return ordinal, cfg.num_replicas, ordinal
+    if cfg.num_replicas > 1:
+        log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
+    return 0, 1, int(incarnation.rsplit("-", 1)[-1], 16) % 2**31
 
 
-def _core_list(bind: str) -> list[int] | None:
-    """``"0,2-3"`` -> [0, 2, 3]; None for anything else."""
-    out: list[int] = []
-    try:
-        for part in bind.split(","):
-            lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        return None
-    return sorted(set(out)) or None
+def _workflow_runner(cfg: RolloutConfig, bases: Bases, incarnation: str) -> Any:
+    """The workflow runner on the bases' engines (each agent routed to its base's engine)."""
+    from teamrl.rollout.runner import WorkflowRunner
+
+    return WorkflowRunner(
+        cfg.workflow,
+        {model_id: b.engine for model_id, b in bases.items()},
+        incarnation,
+        tasks=cfg.tasks,
+        reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
+    )
 
 
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]):
-    """``os.environ`` with ``extra`` while the block runs, then as it was."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _count_steps(trajs: Sequence[Any]) -> None:
+    """Steps, tokens and rewards of a published group, per agent (Prometheus)."""
+    for t in trajs:
+        for s in t.steps:
+            M.STEPS.labels(s.agent_id).inc()
+            M.TOKENS.labels(s.agent_id).inc(len(s.response_ids))
+            M.REWARD.labels(s.agent_id).observe(float(s.reward))
+
+
+async def _drain(inflight: set[asyncio.Task], timeout_s: float) -> None:
+    """Groups in flight get ``timeout_s`` to finish; the rest are cancelled (never published)."""
+    if not inflight:
+        return
+    log.info("draining: %d groups in flight get %.0f s", len(inflight), timeout_s)
+    _done, pending = await asyncio.wait(inflight, timeout=timeout_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _replica_from_env() -> int | None:
@@ -1015,13 +908,20 @@ def with_model(cfg: RolloutConfig) -> RolloutConfig:
     return cfg.model_copy(update={"model": str(default)})
 
 
+def checked_config(args: argparse.Namespace) -> tuple[RolloutConfig, TransportConfig]:
+    """The ``[rollout]`` and ``[transport]`` tables of ``--config`` with the flags, the model folder
+    and the bases checked: every RolloutConfigError before logging starts."""
+    cfg = load_config(args.config, args.set)
+    transport = load_transport(args.config)
+    cfg = with_model(cfg)
+    resolve_bases(cfg, args.weights)  # the same check RolloutService makes
+    return cfg, transport
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)
-        transport = load_transport(args.config)
-        cfg = with_model(cfg)
-        resolve_bases(cfg, args.weights)  # the same check RolloutService makes, before logging starts
+        cfg, transport = checked_config(args)
     except RolloutConfigError as e:
         print(f"teamrl rollout: {e}", file=sys.stderr)
         return 2

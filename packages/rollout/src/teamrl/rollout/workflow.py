@@ -449,55 +449,82 @@ def _agent_at(data: Any, loc: Sequence[Any]) -> str | None:
 
 
 def _validate(wf: Workflow) -> None:
-    name = wf.name
+    """Every cross-reference of a workflow, in the order a reader checks them; the first problem raises."""
+    _validate_agent_ids(wf)
+    for a in wf.agents:
+        _validate_agent(wf, a)
+    _validate_tables(wf)
+    agent_ids = {a.id for a in wf.agents}
+    _validate_credit(wf, agent_ids)
+    _validate_reward(wf, agent_ids)
+    if wf.graph.kind == "static":
+        _validate_static(wf)
+    else:
+        _validate_dynamic(wf)
+
+
+def _validate_agent_ids(wf: Workflow) -> None:
+    """At least one agent, no id twice."""
     ids = [a.id for a in wf.agents]
     if not ids:
-        raise WorkflowError(f"workflow {name!r}: no agents")
+        raise WorkflowError(f"workflow {wf.name!r}: no agents")
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
-        raise WorkflowError(f"workflow {name!r}: agent ids {dup} are declared twice", agent=dup[0])
-    for a in wf.agents:
-        if a.model not in wf.models:
+        raise WorkflowError(f"workflow {wf.name!r}: agent ids {dup} are declared twice", agent=dup[0])
+
+
+def _validate_agent(wf: Workflow, a: AgentSpec) -> None:
+    """One agent's model, adapter (on the same model), tools and output view exist."""
+    name = wf.name
+    if a.model not in wf.models:
+        raise WorkflowError(
+            f"workflow {name!r}: agent {a.id!r} maps to unknown model {a.model!r} "
+            f"(models: {sorted(wf.models)})",
+            agent=a.id,
+        )
+    if a.adapter:
+        ad = wf.adapters.get(a.adapter)
+        if ad is None:
             raise WorkflowError(
-                f"workflow {name!r}: agent {a.id!r} maps to unknown model {a.model!r} "
-                f"(models: {sorted(wf.models)})",
+                f"workflow {name!r}: agent {a.id!r} uses unknown adapter {a.adapter!r} "
+                f"(adapters: {sorted(wf.adapters)})",
                 agent=a.id,
             )
-        if a.adapter:
-            ad = wf.adapters.get(a.adapter)
-            if ad is None:
-                raise WorkflowError(
-                    f"workflow {name!r}: agent {a.id!r} uses unknown adapter {a.adapter!r} "
-                    f"(adapters: {sorted(wf.adapters)})",
-                    agent=a.id,
-                )
-            if ad.model != a.model:
-                raise WorkflowError(
-                    f"workflow {name!r}: agent {a.id!r} runs on model {a.model!r} but its adapter "
-                    f"{a.adapter!r} belongs to model {ad.model!r}",
-                    agent=a.id,
-                )
-        for t in a.tools:
-            if t not in wf.tools:
-                raise WorkflowError(
-                    f"workflow {name!r}: agent {a.id!r} uses unknown tool {t!r} (tools: {sorted(wf.tools)})",
-                    agent=a.id,
-                )
-        if a.output not in OUTPUT_VIEWS and ":" not in a.output:
+        if ad.model != a.model:
             raise WorkflowError(
-                f"workflow {name!r}: agent {a.id!r}: unknown output view {a.output!r} "
-                f"(known: {sorted(OUTPUT_VIEWS)}, or 'module:function')",
+                f"workflow {name!r}: agent {a.id!r} runs on model {a.model!r} but its adapter "
+                f"{a.adapter!r} belongs to model {ad.model!r}",
                 agent=a.id,
             )
+    for t in a.tools:
+        if t not in wf.tools:
+            raise WorkflowError(
+                f"workflow {name!r}: agent {a.id!r} uses unknown tool {t!r} (tools: {sorted(wf.tools)})",
+                agent=a.id,
+            )
+    if a.output not in OUTPUT_VIEWS and ":" not in a.output:
+        raise WorkflowError(
+            f"workflow {name!r}: agent {a.id!r}: unknown output view {a.output!r} "
+            f"(known: {sorted(OUTPUT_VIEWS)}, or 'module:function')",
+            agent=a.id,
+        )
+
+
+def _validate_tables(wf: Workflow) -> None:
+    """Each adapter's model exists; each tool is of a known kind."""
     for ad_name, ad in wf.adapters.items():
         if ad.model not in wf.models:
             raise WorkflowError(
-                f"workflow {name!r}: adapter {ad_name!r} belongs to unknown model {ad.model!r}"
+                f"workflow {wf.name!r}: adapter {ad_name!r} belongs to unknown model {ad.model!r}"
             )
     for tname, spec in wf.tools.items():
         if spec.get("kind") not in ("python", "bm25"):
-            raise WorkflowError(f"workflow {name!r}: tool {tname!r} has unknown kind {spec.get('kind')!r}")
-    agent_ids = {a.id for a in wf.agents}
+            raise WorkflowError(f"workflow {wf.name!r}: tool {tname!r} has unknown kind {spec.get('kind')!r}")
+
+
+def _validate_credit(wf: Workflow, agent_ids: set[str]) -> None:
+    """Role weights: each agent once, each in [0, 1]; the judge's model is the workflow's."""
+    name = wf.name
     if wf.credit.rule == "role" and isinstance(wf.credit.weights, dict):
         missing = sorted(agent_ids - set(wf.credit.weights))
         bad = {k: v for k, v in wf.credit.weights.items() if not 0.0 <= v <= 1.0}
@@ -511,6 +538,11 @@ def _validate(wf: Workflow) -> None:
             f"workflow {name!r}: credit judge_model {wf.credit.judge_model!r} is not one of its models "
             f"{sorted(wf.models)}"
         )
+
+
+def _validate_reward(wf: Workflow, agent_ids: set[str]) -> None:
+    """The reward function is known (or 'module:function'); ``answer_from`` names an agent."""
+    name = wf.name
     if wf.reward is not None and wf.reward.name not in REWARD_FUNCTIONS and ":" not in wf.reward.name:
         raise WorkflowError(
             f"workflow {name!r}: unknown reward {wf.reward.name!r} (known: {sorted(REWARD_FUNCTIONS)})"
@@ -521,10 +553,6 @@ def _validate(wf: Workflow) -> None:
             f"an agent (agents: {sorted(agent_ids)})",
             agent=wf.reward.answer_from,
         )
-    if wf.graph.kind == "static":
-        _validate_static(wf)
-    else:
-        _validate_dynamic(wf)
 
 
 def _validate_static(wf: Workflow) -> None:
@@ -1129,47 +1157,19 @@ async def run_episode(
     reports. ``metadata``: extra string entries for the trajectory (e.g. ``profile_version``).
     Cancellation propagates (``asyncio.CancelledError``); nothing partial is returned.
     """
-    for model_id in {a.model for a in workflow.agents}:  # fail before generating anything
-        _backend_for(backend, model_id)
-        _tokenizer_for(tokenizers, model_id)
+    _check_backends(workflow, backend, tokenizers)  # fail before generating anything
     acts: list[_Act] = []
     if workflow.graph.kind == "static":
         termination = await _run_static(workflow, task, backend, tokenizers, seed, acts)
     else:
         termination = await _run_dynamic(workflow, task, backend, tokenizers, seed, acts)
-
-    steps: list[AgentStep] = []
-    act_steps: list[list[int]] = []
-    for act in acts:
-        mine: list[int] = []
-        for r, st in enumerate(act.steps):
-            parents = [i for p in act.parents for i in act_steps[p]] + ([mine[-1]] if r else [])
-            st.parents = np.asarray(sorted(set(parents)), np.int32)
-            mine.append(len(steps))
-            steps.append(st)
-        act_steps.append(mine)
-
-    views = [
-        ActView(i, a.node, a.agent.id, a.agent.role, a.turn, a.text, a.output, list(a.parents), act_steps[i])
-        for i, a in enumerate(acts)
-    ]
-    n_turns = max((a.turn for a in acts), default=-1) + 1
-    rewards = EpisodeRewards([0.0] * len(acts), [0.0] * n_turns, 0.0)
-    fn = workflow.reward_fn()
-    if fn is not None:
-        rewards = await asyncio.to_thread(fn, task, views)
-        if len(rewards.acts) != len(acts):
-            raise WorkflowError(
-                f"reward {workflow.reward.name!r} returned {len(rewards.acts)} act rewards for {len(acts)} acts"
-            )
+    steps, act_steps = _link_steps(acts)
+    views = _views(acts, act_steps)
+    rewards = await _episode_rewards(workflow, task, acts, views)
     act_credit, credit_meta = await _assign_credit(workflow, views, rewards, backend, tokenizers, seed)
     for i, a in enumerate(acts):
         for st in a.steps:
             st.reward = float(act_credit[i])
-    extra = {**credit_meta, **dict(metadata or {})}
-    metadata = {"termination": termination, "seed": "" if seed is None else str(seed), **extra}
-    if versions is not None:
-        metadata["versions"] = json.dumps(dict(versions), sort_keys=True)
     return GraphTrajectory(
         episode_id=uuid.uuid4().hex,
         incarnation=incarnation,
@@ -1180,8 +1180,57 @@ async def run_episode(
         steps=steps,
         reward=float(rewards.trajectory),
         turn_rewards=np.asarray(rewards.turns, np.float32),
-        metadata=metadata,
+        metadata=_episode_metadata(termination, seed, {**credit_meta, **dict(metadata or {})}, versions),
     )
+
+
+def _check_backends(workflow: Workflow, backend: Any, tokenizers: Any) -> None:
+    """Every model an agent runs on has a backend and a tokenizer (raises WorkflowError)."""
+    for model_id in {a.model for a in workflow.agents}:
+        _backend_for(backend, model_id)
+        _tokenizer_for(tokenizers, model_id)
+
+
+def _link_steps(acts: list[_Act]) -> tuple[list[AgentStep], list[list[int]]]:
+    """Every act's steps in acting order, each step's ``parents`` set (its act's parents' steps and
+    the act's previous tool round); and the step indices of each act."""
+    steps: list[AgentStep] = []
+    act_steps: list[list[int]] = []
+    for act in acts:
+        mine: list[int] = []
+        for r, st in enumerate(act.steps):
+            parents = [i for p in act.parents for i in act_steps[p]] + ([mine[-1]] if r else [])
+            st.parents = np.asarray(sorted(set(parents)), np.int32)
+            mine.append(len(steps))
+            steps.append(st)
+        act_steps.append(mine)
+    return steps, act_steps
+
+
+async def _episode_rewards(
+    workflow: Workflow, task: Mapping[str, Any], acts: list[_Act], views: list[ActView]
+) -> EpisodeRewards:
+    """The workflow's reward function on the finished acts (all zero without one)."""
+    n_turns = max((a.turn for a in acts), default=-1) + 1
+    rewards = EpisodeRewards([0.0] * len(acts), [0.0] * n_turns, 0.0)
+    fn = workflow.reward_fn()
+    if fn is not None:
+        rewards = await asyncio.to_thread(fn, task, views)
+        if len(rewards.acts) != len(acts):
+            raise WorkflowError(
+                f"reward {workflow.reward.name!r} returned {len(rewards.acts)} act rewards for {len(acts)} acts"
+            )
+    return rewards
+
+
+def _episode_metadata(
+    termination: str, seed: int | None, extra: dict[str, str], versions: Mapping[str, int] | None
+) -> dict[str, str]:
+    """The trajectory's metadata: how it ended, its seed, ``extra`` (credit, the caller's), versions."""
+    metadata = {"termination": termination, "seed": "" if seed is None else str(seed), **extra}
+    if versions is not None:
+        metadata["versions"] = json.dumps(dict(versions), sort_keys=True)
+    return metadata
 
 
 async def _assign_credit(
@@ -1338,8 +1387,19 @@ async def _run_dynamic(
     return "routed_end"
 
 
-def _views(acts: list[_Act]) -> list[ActView]:
+def _views(acts: list[_Act], act_steps: list[list[int]] | None = None) -> list[ActView]:
+    """What a reward function or router sees of each act (``act_steps``: its step indices, if known)."""
     return [
-        ActView(i, a.node, a.agent.id, a.agent.role, a.turn, a.text, a.output, list(a.parents), [])
+        ActView(
+            i,
+            a.node,
+            a.agent.id,
+            a.agent.role,
+            a.turn,
+            a.text,
+            a.output,
+            list(a.parents),
+            act_steps[i] if act_steps is not None else [],
+        )
         for i, a in enumerate(acts)
     ]

@@ -29,9 +29,10 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 HELD_OUT_PERCENT = 10
@@ -107,79 +108,136 @@ def split_of(skeleton: str) -> str:
     return "held-out" if h % 100 < HELD_OUT_PERCENT else "train"
 
 
+@dataclass
+class _Draft:
+    """A problem being drawn: its sentences, steps, plan lines, skeleton parts and running value."""
+
+    name: str
+    pron: str
+    items: str
+    text: list[str] = field(default_factory=list)
+    steps: list[_Step] = field(default_factory=list)
+    plan: list[str] = field(default_factory=list)
+    parts: list[tuple[Any, ...]] = field(default_factory=list)
+    value: int = 0
+    divided: bool = False
+
+    def say(self, sentence: str, step: _Step, plan: str) -> None:
+        self.text.append(sentence)
+        self.steps.append(step)
+        self.plan.append(plan)
+
+    def took(self, kind: str) -> bool:
+        """Record the last step in the skeleton and the running value; False when it left (0, MAX_VALUE)."""
+        self.parts.append((kind, self.steps[-1].b))
+        self.value = self.steps[-1].value
+        return 0 < self.value < MAX_VALUE
+
+    def record(self) -> dict[str, Any]:
+        if self.divided:
+            question = f"How many {self.items} does each friend get?"
+        else:
+            question = f"How many {self.items} does {self.name} have now?"
+        return {
+            "question": " ".join(self.text) + " " + question,
+            "answer": str(self.value),
+            "plan": "\n".join(f"{i + 1}. {p}" for i, p in enumerate(self.plan)),
+            "solution": "\n".join(s.line() for s in self.steps),
+        }
+
+
 def _one(rng: random.Random) -> tuple[str, dict[str, Any]] | None:
     """One random problem as (skeleton key, record without id), or None when a draw is rejected."""
     n_steps = rng.choice((2, 3))
     name, pron = rng.choice(NAMES)
-    items = rng.choice(ITEMS)
-    parts: list[tuple[Any, ...]] = []
-    steps: list[_Step] = []
-    plan: list[str] = []
-    if rng.random() < 0.4:
-        bags, per = rng.randint(2, 9), rng.randint(2, 12)
-        box = rng.choice(CONTAINERS)
-        text = [f"{name} has {bags} {box} with {per} {items} in each."]
-        steps.append(_Step("*", bags, per))
-        plan.append(f"Multiply the {bags} {box} by the {per} {items} in each.")
-        parts.append(("bags", bags, per))
-        value = bags * per
-    else:
-        value = rng.randint(5, 40)
-        text = [f"{name} has {value} {items}."]
-        parts.append(("has", value))
-    divided = False
-    while len(steps) < n_steps:
-        left = n_steps - len(steps)
+    d = _Draft(name, pron, rng.choice(ITEMS))
+    _opening(rng, d)
+    while len(d.steps) < n_steps:
+        left = n_steps - len(d.steps)
         kinds = ["add", "sub"] + (["packs"] if left >= 2 else []) + (["share"] if left == 1 else [])
-        kind = rng.choice(kinds)
-        if kind == "add":
-            k = rng.randint(2, 20)
-            text.append(f"{pron} {rng.choice(ADD_VERBS).format(k=k, items=items)}.")
-            steps.append(_Step("+", value, k))
-            plan.append(f"Add the {k} more {items}.")
-        elif kind == "sub":
-            if value < 4:
-                return None
-            k = rng.randint(2, min(20, value - 1))
-            text.append(f"{pron} {rng.choice(SUB_VERBS).format(k=k, items=items)}.")
-            steps.append(_Step("-", value, k))
-            plan.append(f"Subtract the {k} {items} that are gone.")
-        elif kind == "packs":
-            p, q = rng.randint(2, 6), rng.randint(2, 10)
-            box = rng.choice(CONTAINERS)
-            text.append(f"{pron} buys {p} {box} with {q} {items} in each.")
-            steps.append(_Step("*", p, q))
-            steps.append(_Step("+", value, p * q))
-            plan.append(f"Multiply the {p} {box} by the {q} {items} in each.")
-            plan.append(f"Add them to the {items} {name} already has.")
-            parts.append(("packs", p, q))
-            value = steps[-1].value
-            continue
-        else:  # share equally: the last step, and it asks a different question
-            ks = [k for k in range(2, 10) if value % k == 0 and value // k >= 2]
-            if not ks:
-                return None
-            k = rng.choice(ks)
-            text.append(f"{pron} shares the {items} equally among {k} friends.")
-            steps.append(_Step("/", value, k))
-            plan.append(f"Divide the total by the {k} friends.")
-            divided = True
-        parts.append((kind, steps[-1].b))
-        value = steps[-1].value
-        if value <= 0 or value >= MAX_VALUE:
+        if not _STEP_KINDS[rng.choice(kinds)](rng, d):
             return None
-    if any(s.value <= 0 or s.value >= MAX_VALUE for s in steps):
+    if any(s.value <= 0 or s.value >= MAX_VALUE for s in d.steps):
         return None
-    question = (
-        f"How many {items} does each friend get?" if divided else f"How many {items} does {name} have now?"
+    return _skeleton_key(d.parts), d.record()
+
+
+def _opening(rng: random.Random, d: _Draft) -> None:
+    """The first sentence: bags of items (a first step), or a plain count."""
+    if rng.random() < 0.4:
+        bags, per = _boxes(rng, d, f"{d.name} has", 9, 12)
+        d.parts.append(("bags", bags, per))
+        d.value = bags * per
+    else:
+        d.value = rng.randint(5, 40)
+        d.text.append(f"{d.name} has {d.value} {d.items}.")
+        d.parts.append(("has", d.value))
+
+
+def _boxes(rng: random.Random, d: _Draft, who: str, max_boxes: int, max_per: int) -> tuple[int, int]:
+    """ "<who> N boxes with M items in each.": a multiply step; returns (N, M)."""
+    n, m = rng.randint(2, max_boxes), rng.randint(2, max_per)
+    box = rng.choice(CONTAINERS)
+    d.say(
+        f"{who} {n} {box} with {m} {d.items} in each.",
+        _Step("*", n, m),
+        f"Multiply the {n} {box} by the {m} {d.items} in each.",
     )
-    record = {
-        "question": " ".join(text) + " " + question,
-        "answer": str(value),
-        "plan": "\n".join(f"{i + 1}. {p}" for i, p in enumerate(plan)),
-        "solution": "\n".join(s.line() for s in steps),
-    }
-    return _skeleton_key(parts), record
+    return n, m
+
+
+# kind -> (operation, verbs, plan line) of a step that adds items or takes some away
+_CHANGES = {
+    "add": ("+", ADD_VERBS, "Add the {k} more {items}."),
+    "sub": ("-", SUB_VERBS, "Subtract the {k} {items} that are gone."),
+}
+
+
+def _change(rng: random.Random, d: _Draft, kind: str) -> bool:
+    """``k`` items added or taken away (taking away needs at least 4 there)."""
+    op, verbs, plan = _CHANGES[kind]
+    if op == "-" and d.value < 4:
+        return False
+    k = rng.randint(2, 20 if op == "+" else min(20, d.value - 1))
+    d.say(
+        f"{d.pron} {rng.choice(verbs).format(k=k, items=d.items)}.",
+        _Step(op, d.value, k),
+        plan.format(k=k, items=d.items),
+    )
+    return d.took(kind)
+
+
+def _packs(rng: random.Random, d: _Draft) -> bool:
+    """Two steps: packs of items bought (multiply), added to the count (no range check here)."""
+    p, q = _boxes(rng, d, f"{d.pron} buys", 6, 10)
+    d.steps.append(_Step("+", d.value, p * q))
+    d.plan.append(f"Add them to the {d.items} {d.name} already has.")
+    d.parts.append(("packs", p, q))
+    d.value = d.steps[-1].value
+    return True
+
+
+def _share(rng: random.Random, d: _Draft) -> bool:
+    """Share equally: the last step, and it asks a different question."""
+    ks = [k for k in range(2, 10) if d.value % k == 0 and d.value // k >= 2]
+    if not ks:
+        return False
+    k = rng.choice(ks)
+    d.say(
+        f"{d.pron} shares the {d.items} equally among {k} friends.",
+        _Step("/", d.value, k),
+        f"Divide the total by the {k} friends.",
+    )
+    d.divided = True
+    return d.took("share")
+
+
+_STEP_KINDS = {
+    "add": functools.partial(_change, kind="add"),
+    "sub": functools.partial(_change, kind="sub"),
+    "packs": _packs,
+    "share": _share,
+}
 
 
 def generate(
