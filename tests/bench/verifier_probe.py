@@ -1,7 +1,7 @@
 """Why the addition verifier does not learn: what the embedded model's verifier can tell apart, and
 whether the model can learn to tell right from wrong answers at all, by supervised training.
 
-    python tests/bench/verifier_probe.py [--steps 1000] [--formats plain,recompute,compare,compare-adjacent]
+    python tests/bench/verifier_probe.py [--steps 1000] [--formats plain,recompute,compare,compare-adjacent,check]
 
 1. **Signal in the base.** The embedded model (``teamrl model build``) samples one answer per held-out
    task at temperature 1 (the distribution the verifier is trained on during RL); its verifier scores
@@ -15,12 +15,17 @@ whether the model can learn to tell right from wrong answers at all, by supervis
    * ``recompute``: the verifier writes the sum, then the verdict (``V07+45=052?`` -> ``0521;``);
    * ``compare``: the comparison alone, two 3-digit numbers (``V052=058?`` -> ``0;``);
    * ``compare-adjacent``: the same comparison with the two numbers' digits interleaved pairwise
-     (``V005528?``), so each pair to compare sits side by side.
+     (``V005528?``), so each pair to compare sits side by side;
+   * ``check``: a worked check, every step a token: the candidate first, then the question
+     (``V058?07+45=``), and the verifier writes the sum, a mark per digit (``=`` agrees, ``R``
+     differs) and the verdict (``052==R0;``); evaluated on the *trained* model's own held-out answers
+     (temperature 1), so it also runs from scratch.
    Wrong answers are the build's near misses (off by 1, 10 or up to 30), half the verifier examples.
 3. **From scratch** (``--init scratch``): the same learnability runs on a randomly initialised model of
    the built model's shape (``--layers``, ``--kv-heads`` change it), warmed up over 50 steps; only the
-   ``compare`` formats mean anything there (the base cannot add), e.g.
-   ``--init scratch --formats compare,compare-adjacent --steps 3000 --lr 3e-3``.
+   ``compare`` formats and ``check`` mean anything there (the base cannot add), e.g.
+   ``--init scratch --formats compare,compare-adjacent --steps 3000 --lr 3e-3`` or
+   ``--init scratch --formats check --steps 800 --lr 1e-3`` (README, "Verifier learning").
 
 Prints figures, asserts none (README, "Verifier learning", quotes a run of it). About 2 minutes per
 1,000 steps per format on one core.
@@ -103,7 +108,7 @@ class Probe:
     def example(self, fmt: str, rng: random.Random) -> tuple[str, str]:
         A = self.A
         t = rng.choice(self.train)
-        if fmt in ("plain", "recompute") and rng.random() < 0.5:
+        if fmt in ("plain", "recompute", "check") and rng.random() < 0.5:
             return A.solver_prompt(t), t["answer"] + A.EOS
         s = int(t["answer"])
         cand, right = _near_miss(rng, s)
@@ -114,6 +119,9 @@ class Probe:
             return A.verifier_prompt(t, f"{cand:03d}"), t["answer"] + verdict + A.EOS
         if fmt == "compare":
             return f"V{s:03d}={cand:03d}?", verdict + A.EOS
+        if fmt == "check":
+            marks = "".join("=" if x == y else "R" for x, y in zip(t["answer"], f"{cand:03d}", strict=True))
+            return f"V{cand:03d}?{t['question']}", t["answer"] + marks + verdict + A.EOS
         pairs = "".join(x + y for x, y in zip(f"{s:03d}", f"{cand:03d}", strict=True))
         return f"V{pairs}?", verdict + A.EOS
 
@@ -155,6 +163,8 @@ class Probe:
                 s == self.tok.convert_tokens_to_ids(r[0]) for s, (_, r) in zip(said, tests, strict=True)
             )
             print(f"  {fmt}: held-out comparison accuracy {acc / len(tests):.3f}", flush=True)
+        if fmt == "check":
+            self._own_answers_checked(model.eval())
         if fmt in ("plain", "recompute"):
             model.eval()
             n = 5 if fmt == "recompute" else 2
@@ -164,6 +174,44 @@ class Probe:
             bad = [not s for s, r in zip(said, self.right, strict=True) if not r]
             rates = [sum(x) / len(x) for x in (good, bad) if x]
             print(f"  {fmt}: held-out verdict balanced accuracy {sum(rates) / len(rates):.3f}", flush=True)
+
+    def _own_answers_checked(self, model) -> None:
+        """The trained model answers the held-out tasks twice at temperature 1; its verifier checks
+        each answer (greedy); verdict = the character before the first ``;``."""
+        A = self.A
+        tasks = self.held * 2
+        greedy = self._generate(model, [A.solver_prompt(t) for t in self.held], 4, 0.0)
+        solver = sum(A.solver_reward(t, o) for t, o in zip(self.held, greedy, strict=True)) / len(self.held)
+        outs = self._generate(model, [A.solver_prompt(t) for t in tasks], 4, 1.0)
+        cands = [A.parse_answer(o)[:3].rjust(3, "0") for o in outs]
+        right = [c == t["answer"] for t, c in zip(tasks, cands, strict=True)]
+        checks = self._generate(
+            model, [f"V{c}?{t['question']}" for t, c in zip(tasks, cands, strict=True)], 9, 0.0
+        )
+        said = [o.split(A.EOS)[0][-1:] == "1" for o in checks]
+        tpr = sum(s for s, r in zip(said, right, strict=True) if r) / max(1, sum(right))
+        tnr = sum(not s for s, r in zip(said, right, strict=True) if not r) / max(1, len(right) - sum(right))
+        rng = random.Random(99)  # and on near misses of the held-out sums, half right
+        near = [_near_miss(rng, int(t["answer"])) for t in self.held]
+        checks = self._generate(
+            model, [f"V{c:03d}?{t['question']}" for t, (c, _) in zip(self.held, near, strict=True)], 9, 0.0
+        )
+        said_near = [o.split(A.EOS)[0][-1:] == "1" for o in checks]
+        rates = [
+            sum(s == r for s, (_, r) in zip(said_near, near, strict=True) if r == want)
+            / max(1, sum(r == want for _, r in near))
+            for want in (True, False)
+        ]
+        print(
+            f"  check: on near misses of the held-out sums: balanced accuracy {sum(rates) / 2:.3f}",
+            flush=True,
+        )
+        print(
+            f"  check: solver greedy accuracy {solver:.3f}; on its own answers at T=1 ({sum(right) / len(right):.2f} "
+            f"right): accept rate on right {tpr:.3f}, reject rate on wrong {tnr:.3f}, "
+            f"held-out verdict balanced accuracy {(tpr + tnr) / 2:.3f}",
+            flush=True,
+        )
 
     def _verdict_loss(self, logits, ids, batch: list[tuple[str, str]]) -> float:
         """Mean cross-entropy of the verdict token (the one before ``;``) over the batch's verifier rows."""
@@ -183,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1000, help="supervised steps per format")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--every", type=int, default=200, help="print the verdict loss every this many steps")
-    p.add_argument("--formats", default="plain,recompute,compare,compare-adjacent")
+    p.add_argument("--formats", default="plain,recompute,compare,compare-adjacent,check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
@@ -200,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
-    unknown = set(formats) - {"plain", "recompute", "compare", "compare-adjacent"}
+    unknown = set(formats) - {"plain", "recompute", "compare", "compare-adjacent", "check"}
     if unknown:
         p.error(f"unknown format(s): {', '.join(sorted(unknown))}")
 
