@@ -125,7 +125,7 @@ class Probe:
         pairs = "".join(x + y for x, y in zip(f"{s:03d}", f"{cand:03d}", strict=True))
         return f"V{pairs}?", verdict + A.EOS
 
-    def learn(self, fmt: str, steps: int, lr: float, every: int, seed: int) -> None:
+    def learn(self, fmt: str, steps: int, lr: float, every: int, seed: int, save: str = "") -> None:
         from teamrl.learner.modelbuild import _pack
 
         torch = self.torch
@@ -174,6 +174,10 @@ class Probe:
             bad = [not s for s, r in zip(said, self.right, strict=True) if not r]
             rates = [sum(x) / len(x) for x in (good, bad) if x]
             print(f"  {fmt}: held-out verdict balanced accuracy {sum(rates) / len(rates):.3f}", flush=True)
+        if save:  # the trained model, loadable by vLLM and transformers (tokenizer from the model folder)
+            model.save_pretrained(save, safe_serialization=True)
+            self.tok.save_pretrained(save)
+            print(f"  {fmt}: saved to {save}", flush=True)
 
     def _own_answers_checked(self, model) -> None:
         """The trained model answers the held-out tasks twice at temperature 1; its verifier checks
@@ -246,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-heads", type=int, default=0, help="with --init scratch: KV heads (default: the built model's)"
     )
+    p.add_argument(
+        "--save",
+        default="",
+        help="write the model trained on the last format to this folder (a model folder)",
+    )
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     unknown = set(formats) - {"plain", "recompute", "compare", "compare-adjacent", "check"}
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     for fmt in formats:
-        probe.learn(fmt, args.steps, args.lr, args.every, args.seed)
+        probe.learn(fmt, args.steps, args.lr, args.every, args.seed, args.save if fmt == formats[-1] else "")
     return 0
 
 

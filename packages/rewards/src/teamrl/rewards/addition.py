@@ -70,8 +70,11 @@ def solver_reward(task: dict, response: str) -> float:
 
 
 def verifier_verdict(response: str) -> bool | None:
+    """``1`` accept, ``0`` reject: the character before the first ``;``, so a verifier may write its
+    check out first (``052==R0;``: the sum, a mark per digit, the verdict; README, "Verifier
+    learning"); None when that character is neither."""
     head = response.split(EOS, 1)[0].strip()
-    return {"1": True, "0": False}.get(head)
+    return {"1": True, "0": False}.get(head[-1:])
 
 
 def verifier_reward(task: dict, candidate: str, response: str) -> float:
