@@ -48,47 +48,63 @@ def _probe_logprobs(model: str, adapter_dir: Path, prompt: list[int], completion
 
 
 async def _run(args: argparse.Namespace) -> dict:
-    """Check the plan, start vLLM, load the adapters (probe-verified), sample, report."""
-    from teamrl.rollout.engine import EngineConfig, RolloutEngine
+    """Check the plan, start vLLM (one engine per base model), load the adapters (probe-verified),
+    sample, report."""
     from teamrl.rollout.runner import WorkflowRunner
 
     ks = sorted({int(x) for x in args.k.split(",")})
     if ks[-1] > args.n:
         raise SystemExit(f"teamrl eval: k={ks[-1]} > n={args.n}")
-    model, team = _plan(args)
-    eng = RolloutEngine(
-        EngineConfig(
-            model=model,
-            seed=args.seed,
-            max_lora_rank=team.max_lora_rank,
-            lora_target_modules=tuple(team.target_modules),
-        )
+    team = _plan(args)
+    bases = _engines(team, args.seed)
+    engines = {m: b.engine for m, b in bases.items()}
+    runner = WorkflowRunner(
+        args.workflow,
+        engines if len(engines) > 1 else next(iter(engines.values())),
+        "eval",
+        tasks=args.tasks or "",
     )
-    runner = WorkflowRunner(args.workflow, eng, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
-    await eng.start()
+    await bases.start()
     try:
         if args.adapters:
-            await _load_adapters(eng, args, team, model)
+            await _load_adapters(next(iter(engines.values())), args, team, str(team.base.model_dir))
         jobs, trajs = await _sample(runner, tasks, args)
     finally:
-        await eng.close()
+        await bases.close()
     return _report(args, runner, ks, len(tasks), jobs, trajs)
 
 
-def _plan(args: argparse.Namespace) -> tuple[str, Any]:
-    """The model folder and the checked team (``teamrl.rollout.team``); a problem exits naming it."""
-    from teamrl.cli.plan import PlanError, resolve_model, workflow_model_path
+def _engines(team: Any, seed: int) -> Any:
+    """A vLLM engine (not started) per base model of the team, each on its own share of the cores."""
+    from teamrl.rollout.bases import Bases, ServedBase
+
+    plans = {
+        m: ServedBase(
+            m, str(b.model_dir), b.max_lora_rank, tuple(b.target_modules), weights="", start_version=0
+        )
+        for m, b in team.bases.items()
+    }
+    return Bases.build(plans, seed=seed, keep_versions=2, kv_cache_bytes=256 * 1024 * 1024)
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    """The checked team (``teamrl.rollout.team``: its base models and their folders); a problem
+    exits naming it. ``--adapters`` holds one base's adapters, so it needs a team on one base."""
+    from teamrl.cli.plan import PlanError, resolve_models
     from teamrl.rollout.team import plan_team
     from teamrl.rollout.workflow import WorkflowError
 
     try:
-        model = str(resolve_model(args.model, workflow_model_path(args.workflow)))
-        team = plan_team(args.workflow, model, tasks_path=args.tasks)
-        team.base  # noqa: B018  (teamrl eval serves one base model: a team of several is refused here)
+        team = plan_team(args.workflow, resolve_models(args.model, args.workflow), tasks_path=args.tasks)
+        if args.adapters and len(team.bases) > 1:
+            raise PlanError(
+                f"--adapters loads one base model's adapters; workflow {team.workflow.name!r} trains agents on "
+                f"{len(team.bases)} ({', '.join(team.bases)}): evaluate it on the base weights, or on one base"
+            )
     except (PlanError, WorkflowError) as e:
         raise SystemExit(f"teamrl eval: {e}") from None
-    return model, team
+    return team
 
 
 async def _load_adapters(eng: Any, args: argparse.Namespace, team: Any, model: str) -> None:
@@ -186,8 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workflow", required=True, help="workflow name (teamrl workflow list) or TOML file")
     p.add_argument(
         "--model",
+        action="append",
         default=None,
-        help="model folder, 'embedded' or 'embedded-text' (default: the workflow's models.<id>.path, else embedded)",
+        metavar="DIR|MODEL_ID=DIR",
+        help="model folder, 'embedded' or 'embedded-text' (default: the workflow's models.<id>.path, else "
+        "embedded); MODEL_ID=DIR for one model of a team of several (repeatable)",
     )
     p.add_argument("--adapters", default=None, help="a version folder (RUN/adapters/vN) of PEFT adapters")
     p.add_argument(

@@ -69,3 +69,27 @@ def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) ->
     assert out["avg@4"] == pytest.approx(out["pass@1"])
     assert set(k for k in out if k.startswith("reward/")) == {"reward/solver", "reward/verifier"}
     assert 0.0 <= out["verifier_balanced_accuracy"] <= 1.0 and 0.0 <= out["verifier_accept_rate"] <= 1.0
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "teamrl.cli.main", "eval", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedded_model", "embedded_llama_model")
+def test_eval_refuses_one_adapters_folder_for_a_team_of_several_bases(tmp_path: Path) -> None:
+    res = _eval("--workflow", "addition-duo-hetero", "--adapters", str(tmp_path))
+    assert res.returncode != 0
+    assert "--adapters loads one base model's adapters" in res.stderr and "embedded-llama" in res.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedded_model", "embedded_llama_model")
+def test_eval_serves_a_team_of_two_base_models() -> None:
+    res = _eval("--workflow", "addition-duo-hetero", "--num-tasks", "6", "--n", "2", "--k", "1,2")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["workflow"] == "addition-duo-hetero" and out["tasks"] == 6 and out["n"] == 2
+    assert 0.0 <= out["verifier_balanced_accuracy"] <= 1.0 and "reward/solver" in out
