@@ -58,17 +58,12 @@ async def _run(args: argparse.Namespace) -> dict:
     team = _plan(args)
     bases = _engines(team, args.seed)
     engines = {m: b.engine for m, b in bases.items()}
-    runner = WorkflowRunner(
-        args.workflow,
-        engines if len(engines) > 1 else next(iter(engines.values())),
-        "eval",
-        tasks=args.tasks or "",
-    )
+    runner = WorkflowRunner(args.workflow, engines, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
     await bases.start()
     try:
         if args.adapters:
-            await _load_adapters(next(iter(engines.values())), args, team, str(team.base.model_dir))
+            await _load_adapters(engines[team.base.model_id], args, team, str(team.base.model_dir))
         jobs, trajs = await _sample(runner, tasks, args)
     finally:
         await bases.close()
@@ -76,16 +71,22 @@ async def _run(args: argparse.Namespace) -> dict:
 
 
 def _engines(team: Any, seed: int) -> Any:
-    """A vLLM engine (not started) per base model of the team, each on its own share of the cores."""
+    """A vLLM engine (not started) per model the team runs on (:func:`teamrl.cli.plan.served_models`,
+    as a run's rollouts start them), each on its own share of the cores, with the engine defaults."""
+    from teamrl.cli.plan import served_models
     from teamrl.rollout.bases import Bases, ServedBase
+    from teamrl.rollout.engine import EngineConfig
 
     plans = {
         m: ServedBase(
-            m, str(b.model_dir), b.max_lora_rank, tuple(b.target_modules), weights="", start_version=0
+            m, e["path"], e["max_lora_rank"], tuple(e["lora_target_modules"]), weights="", start_version=0
         )
-        for m, b in team.bases.items()
+        for m, e in served_models(team).items()
     }
-    return Bases.build(plans, seed=seed, keep_versions=2, kv_cache_bytes=256 * 1024 * 1024)
+    defaults = EngineConfig(model="")
+    return Bases.build(
+        plans, seed=seed, keep_versions=defaults.keep_versions, kv_cache_bytes=defaults.kv_cache_bytes
+    )
 
 
 def _plan(args: argparse.Namespace) -> Any:

@@ -231,14 +231,7 @@ def resolved_config(
     }
     if several:
         cfg["groups"] = {m: _base_learner_table(b, several) for m, b in team.bases.items()}
-        cfg["rollout"]["models"] = {
-            m: {
-                "path": str(d),
-                "max_lora_rank": _rank_of(team, m),
-                "lora_target_modules": _targets_of(team, m),
-            }
-            for m, d in team.model_dirs.items()
-        }
+        cfg["rollout"]["models"] = served_models(team)
     return cfg
 
 
@@ -275,14 +268,19 @@ def _base_learner_table(base: Any, several: bool) -> dict[str, Any]:
     return out
 
 
-def _rank_of(team: Any, model_id: str) -> int:
-    base = team.bases.get(model_id)
-    return base.max_lora_rank if base is not None else 8  # a base no agent trains serves no adapter
-
-
-def _targets_of(team: Any, model_id: str) -> list[str]:
-    base = team.bases.get(model_id)
-    return list(base.target_modules) if base is not None else []
+def served_models(team: Any) -> dict[str, dict[str, Any]]:
+    """The vLLM engine each model of the team needs, ``{model_id: {path, max_lora_rank,
+    lora_target_modules}}``: every model an agent runs on, trained or not (a base no agent trains
+    serves no adapter). ``[rollout.models]`` of a run and ``teamrl eval`` both start these."""
+    out = {}
+    for m, d in team.model_dirs.items():
+        base = team.bases.get(m)
+        out[m] = {
+            "path": str(d),
+            "max_lora_rank": base.max_lora_rank if base is not None else 8,
+            "lora_target_modules": list(base.target_modules) if base is not None else [],
+        }
+    return out
 
 
 def reward_scale(args: argparse.Namespace) -> dict[str, float]:
