@@ -2,6 +2,8 @@
 
     teamrl eval --adapters runs/demo/adapters/v60 --n 8 --k 1,4,8
     teamrl eval --adapters runs/demo/adapters/v60 --serve solver-lora=verifier-lora --serve verifier-lora=solver-lora
+    teamrl eval --workflow addition-trio-checked --adapters embedded-v1=RUN/groups/embedded-v1/adapters/v30 \
+        --adapters checker=RUN/groups/checker/adapters/v30
 
 Samples ``n`` episodes per held-out task on vLLM (temperature ``--temperature``) and reports, over
 tasks, avg@n (mean success over the samples) and the unbiased pass@k of Chen et al. 2021 (eq. 1):
@@ -11,6 +13,7 @@ reward is at least ``--success``. Each agent's mean step reward is reported too,
 accuracy of routed teams). The workflow and the model are checked first (``teamrl.rollout.team``);
 adapters are loaded the way rollouts load them: the run's probe (a held-out prompt in the model's
 tokenizer), scored here with transformers + PEFT, must match vLLM's, or the adapters are refused.
+A team of several base models is served by one engine per base, each loading its own adapters.
 Prints one JSON object.
 """
 
@@ -60,10 +63,11 @@ async def _run(args: argparse.Namespace) -> dict:
     engines = {m: b.engine for m, b in bases.items()}
     runner = WorkflowRunner(args.workflow, engines, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
+    folders = _adapter_folders(args.adapters, team)
     await bases.start()
     try:
-        if args.adapters:
-            await _load_adapters(engines[team.base.model_id], args, team, str(team.base.model_dir))
+        for model_id, folder in folders.items():
+            await _load_adapters(engines[model_id], folder, args.serve, team.bases[model_id])
         jobs, trajs = await _sample(runner, tasks, args)
     finally:
         await bases.close()
@@ -90,35 +94,69 @@ def _engines(team: Any, seed: int) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> Any:
-    """The checked team (``teamrl.rollout.team``: its base models and their folders); a problem
-    exits naming it. ``--adapters`` holds one base's adapters, so it needs a team on one base."""
+    """The checked team (``teamrl.rollout.team``: its base models and their folders), with
+    ``--adapters`` checked against it; a problem exits naming it."""
     from teamrl.cli.plan import PlanError, resolve_models
     from teamrl.rollout.team import plan_team
     from teamrl.rollout.workflow import WorkflowError
 
     try:
         team = plan_team(args.workflow, resolve_models(args.model, args.workflow), tasks_path=args.tasks)
-        if args.adapters and len(team.bases) > 1:
-            raise PlanError(
-                f"--adapters loads one base model's adapters; workflow {team.workflow.name!r} trains agents on "
-                f"{len(team.bases)} ({', '.join(team.bases)}): evaluate it on the base weights, or on one base"
-            )
     except (PlanError, WorkflowError) as e:
         raise SystemExit(f"teamrl eval: {e}") from None
+    _check_serve(args.serve, _adapter_folders(args.adapters, team), team)
     return team
 
 
-async def _load_adapters(eng: Any, args: argparse.Namespace, team: Any, model: str) -> None:
-    """Load ``--adapters`` (with ``--serve`` applied) as version 1, verified by the run's probe
-    scored here with transformers + PEFT."""
-    folder = Path(args.adapters)
+def _adapter_folders(specs: list[str] | None, team: Any) -> dict[str, Path]:
+    """``--adapters`` as {base model id: version folder}: a plain ``DIR`` for a team on one base,
+    ``MODEL_ID=DIR`` per base for a team of several (``RUN/groups/<id>/adapters/vN``); a base given
+    none is evaluated on its base weights. Exits naming the problem."""
+    out: dict[str, Path] = {}
+    for item in specs or []:
+        model_id, sep, folder = item.partition("=")
+        if not (sep and model_id in team.bases):
+            if sep and not Path(item).exists():
+                raise SystemExit(
+                    f"teamrl eval: --adapters {item}: {model_id!r} is not a trained base model of workflow "
+                    f"{team.workflow.name!r} ({', '.join(team.bases)})"
+                )
+            if len(team.bases) > 1:
+                raise SystemExit(
+                    f"teamrl eval: --adapters {item}: workflow {team.workflow.name!r} trains agents on "
+                    f"{len(team.bases)} base models ({', '.join(team.bases)}); give MODEL_ID=DIR for each "
+                    "(RUN/groups/<id>/adapters/vN)"
+                )
+            model_id, folder = next(iter(team.bases)), item
+        if model_id in out:
+            raise SystemExit(f"teamrl eval: --adapters given twice for base {model_id!r}")
+        if not Path(folder).is_dir():
+            raise SystemExit(f"teamrl eval: --adapters {item}: no such folder")
+        out[model_id] = Path(folder)
+    return out
+
+
+def _check_serve(serve: list[tuple[str, str]], folders: dict[str, Path], team: Any) -> None:
+    """Each ``--serve A=B`` names two adapters of one base whose folder is given."""
+    for a, b in serve:
+        on = [m for m, base in team.bases.items() if a in base.adapters and b in base.adapters]
+        if not on or on[0] not in folders:
+            raise SystemExit(
+                f"teamrl eval: --serve {a}={b}: needs two adapters of one base model given by --adapters "
+                f"(adapters per base: { {m: list(base.adapters) for m, base in team.bases.items()} })"
+            )
+
+
+async def _load_adapters(eng: Any, folder: Path, serve: list[tuple[str, str]], base: Any) -> None:
+    """Load one base's adapters from ``folder`` (``--serve`` applied to the names it holds) as
+    version 1, verified by the base's probe scored here with transformers + PEFT."""
     subs = {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
     if not subs:
         raise SystemExit(f"teamrl eval: {folder} holds no PEFT adapter folder")
-    subs = _served_as(subs, args.serve)
-    probe = next((a for a in team.adapters if a in subs), next(iter(subs)))
-    prompt, completion = list(team.probe_prompt), list(team.probe_completion)
-    expected = _probe_logprobs(model, subs[probe], prompt, completion)
+    subs = _served_as(subs, [(a, b) for a, b in serve if a in subs or b in subs])
+    probe = next((a for a in base.adapters if a in subs), next(iter(subs)))
+    prompt, completion = list(base.probe_prompt), list(base.probe_completion)
+    expected = _probe_logprobs(str(base.model_dir), subs[probe], prompt, completion)
     await eng.load_version(1, subs, probe, prompt, completion, expected, 1e-3)
 
 
@@ -152,7 +190,7 @@ def _report(
             per_agent.setdefault(st.agent_id, []).append(float(st.reward))
     out: dict = {
         "workflow": runner.name,
-        "adapters": args.adapters or "(base model)",
+        "adapters": ", ".join(args.adapters or []) or "(base model)",
         "serve": dict(args.serve),
         "tasks": n_tasks,
         "n": args.n,
@@ -209,7 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="model folder, 'embedded' or 'embedded-text' (default: the workflow's models.<id>.path, else "
         "embedded); MODEL_ID=DIR for one model of a team of several (repeatable)",
     )
-    p.add_argument("--adapters", default=None, help="a version folder (RUN/adapters/vN) of PEFT adapters")
+    p.add_argument(
+        "--adapters",
+        action="append",
+        default=None,
+        metavar="DIR|MODEL_ID=DIR",
+        help="a version folder of PEFT adapters (RUN/adapters/vN); for a team of several base models, "
+        "MODEL_ID=RUN/groups/MODEL_ID/adapters/vN per base (repeatable; a base given none runs on its "
+        "base weights)",
+    )
     p.add_argument(
         "--serve",
         type=_pair,

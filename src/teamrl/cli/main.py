@@ -22,6 +22,10 @@ def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
         from teamrl.learner import modelbuild as mb
 
         default_dir, build_fn = mb.default_llama_model_dir, mb.build_llama
+    elif kind == "checker":
+        from teamrl.learner import modelbuild as mb
+
+        default_dir, build_fn = mb.default_checker_model_dir, mb.build_checker
     else:
         from teamrl.learner import modelbuild as mb
 
@@ -29,7 +33,8 @@ def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
     if args.model_cmd == "path":
         print(default_dir())
         return 0
-    steps = args.steps if args.steps is not None else mb.DEFAULT_STEPS
+    default_steps = mb.CHECKER_STEPS if kind == "checker" else mb.DEFAULT_STEPS
+    steps = args.steps if args.steps is not None else default_steps
     if steps < 1:
         print(f"teamrl model build: --steps must be >= 1 (got {steps})", file=sys.stderr)
         return 2
@@ -109,24 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sp.add_argument(
                 "--kind",
-                choices=["char", "text", "llama"],
+                choices=["char", "text", "llama", "checker"],
                 default="char",
                 help="char: the embedded addition model (embedded-v1, Qwen2); llama: the same recipe on "
                 "the Llama architecture (embedded-llama-v1, a second base for teams of different "
-                "models); text: embedded-text-v2, a small BPE-tokenizer model for the text workflows "
-                "(math-duo, math-trio, code-reflect, search-qa)",
+                "models); checker: the embedded shape trained to write its check out (embedded-checker-v1, "
+                "the verifier of addition-duo-checked and addition-trio-checked); text: embedded-text-v2, "
+                "a small BPE-tokenizer model for the text workflows (math-duo, math-trio, code-reflect, "
+                "search-qa)",
             )
             sp.add_argument(
                 "--out",
-                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1; embedded-llama-v1 or "
-                "embedded-text-v2 for --kind llama or text)",
+                help="output folder (default: $TEAMRL_CACHE/models/embedded-v1; embedded-llama-v1, "
+                "embedded-checker-v1 or embedded-text-v2 for --kind llama, checker or text)",
             )
             sp.add_argument(
                 "--steps",
                 type=int,
                 default=None,
-                help="supervised warm-start steps (default: 600 for char and llama, the text build's own "
-                "default for text)",
+                help="supervised warm-start steps (default: 600 for char and llama, 800 for checker, the "
+                "text build's own default for text)",
             )
             sp.add_argument("--seed", type=int, default=0)
             sp.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")

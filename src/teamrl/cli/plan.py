@@ -22,7 +22,7 @@ from typing import Any
 
 from teamrl.protocol.configfile import ConfigError, apply_overrides
 
-EMBEDDED = ("embedded", "embedded-text", "embedded-llama")
+EMBEDDED = ("embedded", "embedded-text", "embedded-llama", "embedded-checker")
 SECTIONS = ("buffer", "learner", "rollout", "groups")
 
 
@@ -58,28 +58,32 @@ def learner_table(cfg: dict[str, Any], group: str = "") -> dict[str, Any]:
     return group_table(cfg, group)
 
 
+def _embedded(spec: str) -> tuple[Any, Any, str]:
+    """The embedded model ``spec``: its build function, its folder function and its build flags."""
+    if spec == "embedded-text":
+        from teamrl.models import text
+
+        return (lambda: text.build_text(measure_n=20)), text.default_text_model_dir, " --kind text"
+    from teamrl.learner import modelbuild as mb
+
+    return {
+        "embedded": (mb.build, mb.default_model_dir, ""),
+        "embedded-llama": (mb.build_llama, mb.default_llama_model_dir, " --kind llama"),
+        "embedded-checker": (mb.build_checker, mb.default_checker_model_dir, " --kind checker"),
+    }[spec]
+
+
 def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = True) -> Path:
-    """The model folder: a path, ``embedded`` (the character model) or ``embedded-text`` (the BPE
-    model); none given: the workflow's own ``models.<id>.path``, else ``embedded``. The embedded
-    folders are built the first time (minutes) unless ``build`` is false."""
+    """The model folder: a path or an embedded model's name (``embedded``: the character model;
+    ``embedded-llama``: the same on Llama; ``embedded-checker``: the addition checker;
+    ``embedded-text``: the BPE model); none given: the workflow's own ``models.<id>.path``, else
+    ``embedded``. The embedded folders are built the first time (minutes) unless ``build`` is false."""
     spec = spec or workflow_path or "embedded"
     if spec in EMBEDDED:
-        if spec == "embedded":
-            from teamrl.learner import modelbuild as mb
-
-            make, where = mb.build, mb.default_model_dir
-        elif spec == "embedded-llama":
-            from teamrl.learner import modelbuild as mb
-
-            make, where = mb.build_llama, mb.default_llama_model_dir
-        else:
-            from teamrl.models import text as mb
-
-            make, where = (lambda: mb.build_text(measure_n=20)), mb.default_text_model_dir
+        make, where, kind = _embedded(spec)
         if build:
             return Path(make())
         if not (where() / "config.json").is_file():
-            kind = {"embedded": "", "embedded-text": " --kind text"}.get(spec, " --kind llama")
             raise PlanError(f"--model {spec}: not built yet at {where()} (teamrl model build{kind})")
         return where()
     path = Path(spec).expanduser()

@@ -23,24 +23,30 @@ def test_pass_at_k_matches_hand_computed_values() -> None:
         pass_at_k(4, 5, 1)
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.usefixtures("embedded_model")
-def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) -> None:
+def _random_adapters(model_dir: Path, names: list[str], out: Path) -> None:
+    """PEFT adapters ``names`` on ``model_dir`` with random (nonzero) B, saved as ``out/<name>``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from teamrl.learner.modelbuild import build
-
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(build()), lora, adapter_name="solver-lora")
-    peft.add_adapter("verifier-lora", lora)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora, adapter_name=names[0])
+    for name in names[1:]:
+        peft.add_adapter(name, lora)
     gen = torch.Generator().manual_seed(0)
     for name, p in peft.named_parameters():
         if "lora_B" in name:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    peft.save_pretrained(tmp_path / "v1")  # -> v1/solver-lora, v1/verifier-lora
+    peft.save_pretrained(out)  # -> out/<name> for each name (none is "default")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedded_model")
+def test_eval_command_reports_avg_and_pass_at_k_with_adapters(tmp_path: Path) -> None:
+    from teamrl.learner.modelbuild import build
+
+    _random_adapters(build(), ["solver-lora", "verifier-lora"], tmp_path / "v1")
     res = subprocess.run(
         [
             sys.executable,
@@ -78,17 +84,31 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("embedded_model", "embedded_llama_model")
-def test_eval_refuses_one_adapters_folder_for_a_team_of_several_bases(tmp_path: Path) -> None:
+def test_eval_asks_for_one_adapters_folder_per_base_of_a_team_of_several(tmp_path: Path) -> None:
     res = _eval("--workflow", "addition-duo-hetero", "--adapters", str(tmp_path))
     assert res.returncode != 0
-    assert "--adapters loads one base model's adapters" in res.stderr and "embedded-llama" in res.stderr
+    assert "give MODEL_ID=DIR for each" in res.stderr and "embedded-llama" in res.stderr
+    res = _eval("--workflow", "addition-duo-hetero", "--adapters", f"nobody={tmp_path / 'x'}")
+    assert res.returncode != 0 and "'nobody' is not a trained base model" in res.stderr
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.usefixtures("embedded_model", "embedded_llama_model")
-def test_eval_serves_a_team_of_two_base_models() -> None:
-    res = _eval("--workflow", "addition-duo-hetero", "--num-tasks", "6", "--n", "2", "--k", "1,2")
+def test_eval_serves_a_team_of_two_base_models_each_with_its_adapters(tmp_path: Path) -> None:
+    from teamrl.learner.modelbuild import build, build_llama
+
+    _random_adapters(build(), ["solver-lora"], tmp_path / "qwen")
+    _random_adapters(build_llama(), ["verifier-lora"], tmp_path / "llama")
+    res = _eval(
+        "--workflow",
+        "addition-duo-hetero",
+        "--adapters",
+        f"embedded-v1={tmp_path / 'qwen'}",
+        "--adapters",
+        f"embedded-llama={tmp_path / 'llama'}",
+        *("--num-tasks", "6", "--n", "2", "--k", "1,2"),
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["workflow"] == "addition-duo-hetero" and out["tasks"] == 6 and out["n"] == 2

@@ -75,24 +75,49 @@ def build_llama(
     return build(out or default_llama_model_dir(), steps=steps, seed=seed, force=force, arch="llama")
 
 
+def default_checker_model_dir() -> Path:
+    """``$TEAMRL_CACHE/models/embedded-checker-v<N>``: the embedded shape trained for the worked check."""
+    return default_model_dir().with_name(f"embedded-checker-v{BUILD_VERSION}")
+
+
+# The checker's recipe (README, "Verifier learning"): from scratch at lr 1e-3 (at the build's 3e-3
+# this shape does not learn to compare digits at a distance), stopped short of a perfect check so
+# that RL has something left to improve.
+CHECKER_STEPS = 800
+RECIPES = {"verdict": 3e-3, "check": 1e-3}  # recipe -> learning rate
+
+
+def build_checker(
+    out: Path | None = None, steps: int = CHECKER_STEPS, seed: int = 0, force: bool = False
+) -> Path:
+    """A verifier model of its own (``teamrl model build --kind checker``): the embedded shape and
+    tokenizer, trained on solver examples and worked checks (``teamrl.rewards.addition.check_examples``);
+    the built-in ``addition-*-checked`` workflows put their verifier on it."""
+    return build(out or default_checker_model_dir(), steps=steps, seed=seed, force=force, recipe="check")
+
+
 def build(
     out: Path | None = None,
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
     force: bool = False,
     arch: str = "qwen2",
+    recipe: str = "verdict",
 ) -> Path:
     """Build the embedded model into ``out`` (default: the cache folder) and return the folder.
 
-    ``arch``: ``qwen2`` (the default model) or ``llama`` (same sizes, Llama family). Skips the work
-    when a complete build with the same parameters is already there.
+    ``arch``: ``qwen2`` (the default model) or ``llama`` (same sizes, Llama family). ``recipe``:
+    ``verdict`` (the embedded model: solver and one-token verdicts) or ``check`` (the checker). Skips
+    the work when a complete build with the same parameters is already there.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if arch not in ARCHS or recipe not in RECIPES:
+        raise ValueError(f"arch must be one of {ARCHS} and recipe one of {tuple(RECIPES)}: {arch!r}, {recipe!r}")
     out = Path(out) if out else default_model_dir()
-    params = {"build_version": BUILD_VERSION, "steps": steps, "seed": seed}
+    params: dict = {"build_version": BUILD_VERSION, "steps": steps, "seed": seed}
     if arch != "qwen2":  # the default build's params (and so its cache key) stay as they were
         params["arch"] = arch
+    if recipe != "verdict":
+        params["recipe"] = recipe
     if _built_with(out, params) and not force:
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -102,8 +127,8 @@ def build(
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(tmp))
     t0 = time.time()
-    model = _warm_start(_fresh_model(arch, tok, seed), tok, steps, seed)
-    acc = greedy_accuracy(model, tok, _held_out())
+    model = _warm_start(_fresh_model(arch, tok, seed), tok, steps, seed, recipe)
+    acc = greedy_accuracy(model, tok, _held_out(), check=recipe == "check")
     model.save_pretrained(str(tmp), safe_serialization=True)
     meta = {
         "params": params,
@@ -159,9 +184,10 @@ def _fresh_model(arch: str, tok, seed: int):
     return model_cls(cfg)
 
 
-def _warm_start(model, tok, steps: int, seed: int):
-    """``steps`` seeded supervised steps (AdamW, lr 3e-3, 50 warm-up steps, batches of 128 from
-    :func:`teamrl.rewards.addition.warmstart_examples` over the training tasks); returns it in eval mode."""
+def _warm_start(model, tok, steps: int, seed: int, recipe: str = "verdict"):
+    """``steps`` seeded supervised steps (AdamW at the recipe's lr, 50 warm-up steps, batches of 128
+    from :func:`teamrl.rewards.addition.warmstart_examples`, or ``check_examples`` for the checker,
+    over the training tasks); returns it in eval mode."""
     import torch
 
     from teamrl.rewards import addition
@@ -169,12 +195,13 @@ def _warm_start(model, tok, steps: int, seed: int):
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     train = addition.split_tasks(seed=0)[0]
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    examples = addition.check_examples if recipe == "check" else addition.warmstart_examples
+    opt = torch.optim.AdamW(model.parameters(), lr=RECIPES[recipe], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     t0 = time.time()
     model.train()
     for step in range(steps):
-        ids, labels = _pack(tok, addition.warmstart_examples(rng, train, 128))
+        ids, labels = _pack(tok, examples(rng, train, 128), bos=recipe == "check")
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -206,11 +233,13 @@ def _architecture(arch: str) -> tuple[type, type]:
     return Qwen2Config, Qwen2ForCausalLM
 
 
-def _pack(tok, batch: list[tuple[str, str]]):
-    """Right-padded token ids and labels (-100 outside the response) for causal-LM training."""
+def _pack(tok, batch: list[tuple[str, str]], bos: bool = False):
+    """Right-padded token ids and labels (-100 outside the response) for causal-LM training;
+    ``bos``: each prompt starts with BOS, as rollouts encode it (``teamrl.rewards.tokenizer.CharTokenizer``)."""
     import torch
 
-    seqs = [(tok.encode(p), tok.encode(r)) for p, r in batch]
+    first = [tok.bos_token_id] if bos else []
+    seqs = [(first + tok.encode(p), tok.encode(r)) for p, r in batch]
     width = max(len(p) + len(r) for p, r in seqs)
     ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
@@ -220,8 +249,10 @@ def _pack(tok, batch: list[tuple[str, str]]):
     return ids, labels
 
 
-def greedy_accuracy(model, tok, tasks: list[dict], n: int = 200) -> dict[str, float]:
-    """Greedy accuracy of both roles on ``tasks`` (transformers generate; used at build time only)."""
+def greedy_accuracy(model, tok, tasks: list[dict], n: int = 200, check: bool = False) -> dict[str, float]:
+    """Greedy accuracy of both roles on ``tasks`` (transformers generate; used at build time only);
+    the verifier's on candidates right half the time, else off by one; ``check``: in the checker's
+    format (the verdict after the worked check)."""
     import torch
 
     from teamrl.rewards import addition
@@ -230,24 +261,26 @@ def greedy_accuracy(model, tok, tasks: list[dict], n: int = 200) -> dict[str, fl
     rng = random.Random(1)
     with torch.no_grad():
         solver = [addition.solver_prompt(t) for t in tasks]
-        got = _greedy(model, tok, solver, 4)
+        got = _greedy(model, tok, solver, 4, bos=check)
         s_acc = sum(addition.solver_reward(t, g) for t, g in zip(tasks, got, strict=True)) / len(tasks)
         cands = [t["answer"] if rng.random() < 0.5 else f"{(int(t['answer']) + 1) % 200:03d}" for t in tasks]
-        ver = [addition.verifier_prompt(t, c) for t, c in zip(tasks, cands, strict=True)]
-        got_v = _greedy(model, tok, ver, 2)
+        prompt = addition.check_prompt if check else addition.verifier_prompt
+        prompts = [prompt(t, c) for t, c in zip(tasks, cands, strict=True)]
+        got_v = _greedy(model, tok, prompts, 9 if check else 2, bos=check)
         v_acc = sum(
             addition.verifier_reward(t, c, g) for t, c, g in zip(tasks, cands, got_v, strict=True)
         ) / len(tasks)
     return {"solver": round(s_acc, 4), "verifier": round(v_acc, 4)}
 
 
-def _greedy(model, tok, prompts: list[str], max_new: int) -> list[str]:
+def _greedy(model, tok, prompts: list[str], max_new: int, bos: bool = False) -> list[str]:
     import torch
 
     # Prompts of one role all have the same length, so no padding is needed.
-    ids = torch.tensor([tok.encode(p) for p in prompts])
+    first = [tok.bos_token_id] if bos else []
+    ids = torch.tensor([first + tok.encode(p) for p in prompts])
     for _ in range(max_new):
         nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
-    width = len(tok.encode(prompts[0]))
+    width = len(first) + len(tok.encode(prompts[0]))
     return [tok.decode(row[width:].tolist()) for row in ids]

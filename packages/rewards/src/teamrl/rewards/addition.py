@@ -9,6 +9,8 @@ situation Dr. MAS's agent-wise normalisation is for.
 Formats (every character is one token of the embedded tokenizer; ``;`` is the end-of-answer token):
   solver    prompt ``S07+45=``      response ``52;``  (the sum, zero-padded to 3 digits: ``052;``)
   verifier  prompt ``V07+45=052?``  response ``1;`` if the candidate is right, else ``0;``
+  checker   prompt ``V052?07+45=``  response ``052===1;``: a verifier that writes its check out (the
+            sum, a mark per digit, the verdict; ``teamrl model build --kind checker``)
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def verifier_reward(task: dict, candidate: str, response: str) -> float:
     return 1.0 if verdict == (solver_reward(task, candidate) == 1.0) else 0.0
 
 
+def near_miss(rng: random.Random, s: int) -> int:
+    """A wrong sum close to ``s`` (off by 1, 10 or up to 30, mod 200): the build's wrong candidates."""
+    return (s + rng.choice([-10, -1, 1, 10, rng.randint(-30, 30) or 2])) % 200
+
+
 def warmstart_examples(rng: random.Random, tasks: list[dict], n: int) -> list[tuple[str, str]]:
     """Supervised (prompt, response) pairs for the model build: both roles, half-wrong candidates."""
     out = []
@@ -95,7 +102,35 @@ def warmstart_examples(rng: random.Random, tasks: list[dict], n: int) -> list[tu
         else:
             right = rng.random() < 0.5
             s = int(t["answer"])
-            cand = s if right else (s + rng.choice([-10, -1, 1, 10, rng.randint(-30, 30) or 2])) % 200
-            cand_s = f"{cand:03d}"
+            cand_s = f"{s if right else near_miss(rng, s):03d}"
             out.append((verifier_prompt(t, cand_s), ("1" if cand_s == t["answer"] else "0") + EOS))
+    return out
+
+
+def check_prompt(task: dict, candidate: str) -> str:
+    """The checker's prompt: the candidate first, then the question (``V058?07+45=``), so the sum it
+    writes follows ``07+45=`` as in the solver's prompt (README, "Verifier learning")."""
+    return "V" + candidate + "?" + task["question"]
+
+
+def check_response(task: dict, candidate: str) -> str:
+    """The worked check of ``candidate``: the sum, a mark per digit (``=`` agrees, ``R`` differs),
+    the verdict and EOS (``052==R0;``); :func:`verifier_verdict` reads its verdict."""
+    answer = task["answer"]
+    marks = "".join("=" if x == y else "R" for x, y in zip(answer, candidate.rjust(3, "0"), strict=True))
+    return answer + marks + ("0" if "R" in marks else "1") + EOS
+
+
+def check_examples(rng: random.Random, tasks: list[dict], n: int) -> list[tuple[str, str]]:
+    """Supervised pairs for the checker build: half solver examples (the check needs the sum), half
+    worked checks of candidates that are right half the time, else near misses."""
+    out = []
+    for _ in range(n):
+        t = rng.choice(tasks)
+        if rng.random() < 0.5:
+            out.append((solver_prompt(t), t["answer"] + EOS))
+        else:
+            s = int(t["answer"])
+            cand = f"{s if rng.random() < 0.5 else near_miss(rng, s):03d}"
+            out.append((check_prompt(t, cand), check_response(t, cand)))
     return out
