@@ -7,7 +7,8 @@ pytest.mark.usefixtures("embedded_model")``), so the suite passes from an empty 
 and no test relies on a cache left by an earlier run. The build takes a file lock: two pytest runs (or a
 test and a ``teamrl`` command) on the same cache never write the same half-built folder.
 ``embedded_text_model``: the same for the embedded-text model (README, "The embedded-text model");
-``embedded_llama_model``: for the Llama-architecture build (README, "Teams of different models").
+``embedded_llama_model``: for the Llama-architecture build (README, "Teams of different models");
+``embedded_checker_model``: for the addition checker (README, "Verifier learning").
 """
 
 from __future__ import annotations
@@ -64,3 +65,11 @@ def embedded_llama_model() -> Path:
     from teamrl.learner.modelbuild import build_llama, default_llama_model_dir
 
     return _locked_build(default_llama_model_dir(), build_llama)
+
+
+@pytest.fixture(scope="session")
+def embedded_checker_model() -> Path:
+    """The addition checker (``teamrl model build --kind checker``), built once per session."""
+    from teamrl.learner.modelbuild import build_checker, default_checker_model_dir
+
+    return _locked_build(default_checker_model_dir(), build_checker)

@@ -48,8 +48,10 @@ def _auc(pos: list[float], neg: list[float]) -> float:
 
 
 def _near_miss(rng: random.Random, s: int) -> tuple[int, bool]:
+    from teamrl.rewards.addition import near_miss
+
     right = rng.random() < 0.5
-    return (s if right else (s + rng.choice([-10, -1, 1, 10, rng.randint(-30, 30) or 2])) % 200), right
+    return (s if right else near_miss(rng, s)), right
 
 
 class Probe:
@@ -119,9 +121,8 @@ class Probe:
             return A.verifier_prompt(t, f"{cand:03d}"), t["answer"] + verdict + A.EOS
         if fmt == "compare":
             return f"V{s:03d}={cand:03d}?", verdict + A.EOS
-        if fmt == "check":
-            marks = "".join("=" if x == y else "R" for x, y in zip(t["answer"], f"{cand:03d}", strict=True))
-            return f"V{cand:03d}?{t['question']}", t["answer"] + marks + verdict + A.EOS
+        if fmt == "check":  # the checker's format (teamrl model build --kind checker)
+            return A.check_prompt(t, f"{cand:03d}"), A.check_response(t, f"{cand:03d}")
         pairs = "".join(x + y for x, y in zip(f"{s:03d}", f"{cand:03d}", strict=True))
         return f"V{pairs}?", verdict + A.EOS
 
@@ -190,7 +191,7 @@ class Probe:
         cands = [A.parse_answer(o)[:3].rjust(3, "0") for o in outs]
         right = [c == t["answer"] for t, c in zip(tasks, cands, strict=True)]
         checks = self._generate(
-            model, [f"V{c}?{t['question']}" for t, c in zip(tasks, cands, strict=True)], 9, 0.0
+            model, [A.check_prompt(t, c) for t, c in zip(tasks, cands, strict=True)], 9, 0.0
         )
         said = [o.split(A.EOS)[0][-1:] == "1" for o in checks]
         tpr = sum(s for s, r in zip(said, right, strict=True) if r) / max(1, sum(right))
@@ -198,7 +199,7 @@ class Probe:
         rng = random.Random(99)  # and on near misses of the held-out sums, half right
         near = [_near_miss(rng, int(t["answer"])) for t in self.held]
         checks = self._generate(
-            model, [f"V{c:03d}?{t['question']}" for t, (c, _) in zip(self.held, near, strict=True)], 9, 0.0
+            model, [A.check_prompt(t, f"{c:03d}") for t, (c, _) in zip(self.held, near, strict=True)], 9, 0.0
         )
         said_near = [o.split(A.EOS)[0][-1:] == "1" for o in checks]
         rates = [

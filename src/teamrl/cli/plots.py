@@ -62,7 +62,8 @@ def group_folders(run_dir: Path) -> list[Path]:
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    """Write reward_steps.png, reward_time.png and grad_norm.png into ``run_dir/plots``; return their paths."""
+    """Write reward_steps.png, reward_time.png, grad_norm.png and, when the run evaluated, held_out.png
+    into ``run_dir/plots``; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,4 +114,36 @@ def plot_run(run_dir: Path) -> list[Path]:
     fig.savefig(out_dir / "grad_norm.png")
     plt.close(fig)
     written.append(out_dir / "grad_norm.png")
+    if evals:
+        written.append(held_out_plot(evals, out_dir / "held_out.png"))
     return written
+
+
+HELD_OUT_KEYS = ("_accuracy", "_balanced_accuracy", "_accept_rate")
+
+
+def held_out_plot(evals: list[dict], path: Path) -> Path:
+    """Every agent's held-out metrics against the learner step (``eval.jsonl``): its accuracy (mean
+    step reward), a verifier's balanced accuracy (a constant verdict scores 0.5) and accept rate,
+    and the first-try accuracy of a team that routes back."""
+    import matplotlib.pyplot as plt
+
+    keys = sorted(
+        {k for r in evals for k in r if k.endswith(HELD_OUT_KEYS) and isinstance(r[k], int | float)}
+    )
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    for k in keys:
+        xs, ys = _series(evals, k, "step")
+        style = ":" if k.endswith("_accept_rate") else "--" if k == "first_try_accuracy" else "-"
+        ax.plot(xs, ys, style, marker="o", markersize=3, label=k.replace("_", " "))
+    ax.axhline(0.5, color="grey", lw=0.6, alpha=0.6)
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("held-out")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    if keys:
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -5,6 +5,7 @@ rejecting check only, and a worked check's verdict is scored as the verdict it e
 from __future__ import annotations
 
 import re
+
 import pytest
 
 from teamrl.rewards import addition

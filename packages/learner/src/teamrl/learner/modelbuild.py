@@ -111,7 +111,9 @@ def build(
     the work when a complete build with the same parameters is already there.
     """
     if arch not in ARCHS or recipe not in RECIPES:
-        raise ValueError(f"arch must be one of {ARCHS} and recipe one of {tuple(RECIPES)}: {arch!r}, {recipe!r}")
+        raise ValueError(
+            f"arch must be one of {ARCHS} and recipe one of {tuple(RECIPES)}: {arch!r}, {recipe!r}"
+        )
     out = Path(out) if out else default_model_dir()
     params: dict = {"build_version": BUILD_VERSION, "steps": steps, "seed": seed}
     if arch != "qwen2":  # the default build's params (and so its cache key) stay as they were

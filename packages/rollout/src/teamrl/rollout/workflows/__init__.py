@@ -17,7 +17,8 @@ search-qa       searcher (BM25 tool, <= 2 calls) -> answerer            ``search
 The definitions live in the modules next to this one as plain dicts; ``toml/*.toml`` (linked from
 ``configs/workflows/`` in the repository) holds the same definitions as TOML for users to copy and
 edit (a unit test checks that each file loads to exactly the built-in it is named after), plus
-variants that exist only as TOML (``addition-duo-shared``, ``math-duo-hetero``, ``math-duo-anonymous``).
+variants that exist only as TOML (``addition-duo-shared``, ``addition-duo-hetero``,
+``addition-duo-checked``, ``addition-trio-checked``, ``math-duo-hetero``, ``math-duo-anonymous``).
 """
 
 from __future__ import annotations
