@@ -6,7 +6,7 @@ name below, the name of a TOML shipped in ``toml/`` (``names()`` lists both), or
 ==============  ======================================================  =========================
 name            agents and D                                            tasks (``load_tasks``)
 ==============  ======================================================  =========================
-addition-duo    solver -> verifier (static; what ``teamrl run`` runs)   ``addition`` (embedded)
+addition-duo    solver -> verifier (static, one base model)             ``addition`` (embedded)
 addition-trio   solver -> verifier, rejection routes back (<= 2)        ``addition``
 math-duo        planner -> solver                                       ``math-word`` or JSONL
 math-trio       planner -> solver -> verifier, routes back (<= 2)       ``math-word`` or JSONL

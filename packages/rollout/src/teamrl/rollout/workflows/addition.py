@@ -52,7 +52,7 @@ _COMMON: dict[str, Any] = {
 
 ADDITION_DUO: dict[str, Any] = {
     "name": "addition-duo",
-    "description": "solver -> verifier on two-digit addition (the embedded model; what teamrl demo trains)",
+    "description": "solver -> verifier on two-digit addition (both agents on the embedded model)",
     **_COMMON,
     "agents": _agents(),
     "graph": {"kind": "static", "edges": [["solver", "verifier"]]},
