@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="DIR|MODEL_ID=DIR",
-        help="model folder, 'embedded' or 'embedded-text' (default: the workflow's models.<id>.path, else "
+        help="model folder or an embedded model's name (embedded, embedded-llama, embedded-checker, "
+        "embedded-text) (default: the workflow's models.<id>.path, else "
         "embedded); MODEL_ID=DIR for one model of a team of several (repeatable)",
     )
     p.add_argument(

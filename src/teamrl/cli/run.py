@@ -95,7 +95,8 @@ def _add_what_to_train(p: argparse.ArgumentParser, workflow: str | None, run_dir
         default=None,
         metavar="DIR|MODEL_ID=DIR",
         help="model folder (Hugging Face layout), 'embedded' (character model, addition workflows), "
-        "'embedded-llama' (the same on the Llama architecture) or 'embedded-text' (small BPE model "
+        "'embedded-llama' (the same on the Llama architecture), 'embedded-checker' (the addition checker) "
+        "or 'embedded-text' (small BPE model "
         "for the text workflows); MODEL_ID=DIR gives one model of a team of different models "
         "(repeatable); default: the workflow's own models.<id>.path, else 'embedded'. The embedded "
         "models are built on first use",

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--model",
             default=None,
-            help="model folder, 'embedded' or 'embedded-text' (must be built already)",
+            help="model folder or an embedded model's name (embedded, embedded-llama, embedded-checker, "
+            "embedded-text; must be built already)",
         )
         sp.add_argument("--tasks", default=None, help="JSONL/Parquet task file instead of the workflow's")
         if name == "plan":
