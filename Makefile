@@ -27,7 +27,8 @@ bench: setup
 # The README's results (a)-(c), each over 5 seeds (mean and 95 % CI), their plots and table in
 # docs/results/ (runs kept in runs/results/): about 30-60 minutes on 2 cores ((b) took 10 runs of ~60 s);
 # then (e), the role-swap ablation (one training run and five evaluations: about 6 minutes), and (f),
-# the staleness table (10 sync runs: about 25 minutes).
+# the staleness table (10 sync runs: about 25 minutes), and (g), the team whose verifier learns
+# (5 runs of addition-duo-checked and their trio evaluations: about 30 minutes).
 # Prints figures, asserts none.
 results: setup
 	$(PY) tests/bench/compare_runs.py mode --out runs/results/mode
@@ -36,6 +37,7 @@ results: setup
 	$(PY) tests/bench/compare_runs.py table runs/results docs/results
 	$(PY) tests/bench/role_swap.py --run-dir runs/results/role-swap --out docs/results/role_swap
 	$(PY) tests/bench/staleness.py --runs runs/results/staleness --out docs/results/staleness
+	$(PY) tests/bench/checked_team.py --out runs/results/checked-team --summary docs/results/checked_team.json
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results
