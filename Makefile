@@ -37,7 +37,7 @@ results: setup
 	$(PY) tests/bench/compare_runs.py table runs/results docs/results
 	$(PY) tests/bench/role_swap.py --run-dir runs/results/role-swap --out docs/results/role_swap
 	$(PY) tests/bench/staleness.py --runs runs/results/staleness --out docs/results/staleness
-	$(PY) tests/bench/checked_team.py --out runs/results/checked-team --summary docs/results/checked_team.json
+	$(PY) tests/bench/checked_team.py --out runs/results/checked-team --docs docs/results/checked_team
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results

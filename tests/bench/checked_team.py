@@ -80,12 +80,49 @@ def one_seed(root: Path, seed: int, steps: int) -> dict:
     return res
 
 
+LABELS = {
+    "verifier_ba_v0": "verifier balanced accuracy, v0 (held-out, greedy, 200 tasks)",
+    "verifier_ba_best": "verifier balanced accuracy, best",
+    "verifier_ba_end": "verifier balanced accuracy, end",
+    "solver_v0": "solver accuracy, v0",
+    "solver_end": "solver accuracy, end",
+    "trio_first_try": "trio with the trained adapters (n 4, T 1): solver's first try",
+    "trio_after_retries": "trio with the trained adapters: team after retries",
+    "trio_verifier_ba": "trio with the trained adapters: verifier balanced accuracy",
+    "wall_s": "wall time of a run (s)",
+}
+
+
+def write_docs(folder: Path, summary: dict) -> None:
+    """``summary.json`` and ``table.md`` (mean ± 95 % CI per figure) in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+    n, steps, base = len(summary["runs"]), summary["steps"], summary["base"]
+    lines = [
+        f"# addition-duo-checked over {n} seeds ({steps} steps each)",
+        "",
+        'Written by `tests/bench/checked_team.py` (`make results`); README, "Verifier learning".',
+        "",
+        f"| figure | mean ± 95 % CI over {n} seeds |",
+        "|---|---|",
+    ]
+    lines += [
+        f"| {label} | {fmt(summary['stats'][k], 1 if k == 'wall_s' else 3)} |" for k, label in LABELS.items()
+    ]
+    lines.append(f"| trio: gain of retries (after - first try) | {fmt(summary['gain'])} |")
+    lines.append(
+        f"| trio on base weights: first try / after retries | {base.get('trio_first_try')} / "
+        f"{base.get('trio_after_retries')} |"
+    )
+    (folder / "table.md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", default="", help="keep the runs and summary.json here (default: a temp folder)")
-    p.add_argument("--summary", default="", help="also write summary.json to this file (docs/results/...)")
+    p.add_argument("--docs", default="", help="also write summary.json and table.md to this folder")
     args = p.parse_args(argv)
     root = Path(args.out or tempfile.mkdtemp(prefix="checked-team-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -103,11 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  trio on base weights: first try {base.get('trio_first_try')}, after retries {base.get('trio_after_retries')}"
     )
-    summary = json.dumps({"runs": runs, "base": base, "stats": stats}, indent=1)
-    (root / "summary.json").write_text(summary)
-    if args.summary:
-        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(summary)
+    summary = {"runs": runs, "base": base, "stats": stats, "gain": gain, "steps": args.steps}
+    for folder in [root] + ([Path(args.docs)] if args.docs else []):
+        write_docs(folder, summary)
     print(f"checked_team={stats['verifier_ba_end'][0]:.4f}")
     return 0
 

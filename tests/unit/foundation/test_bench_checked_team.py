@@ -35,3 +35,15 @@ def test_a_run_folder_is_summarised_from_its_held_out_rows(tmp_path: Path) -> No
         "solver_end": 0.77,
     }
     assert _bench().run_summary(tmp_path / "missing") == {}
+
+
+def test_the_summary_is_written_as_a_table(tmp_path: Path) -> None:
+    bench = _bench()
+    runs = [{"verifier_ba_end": 1.0, "wall_s": 240.0}, {"verifier_ba_end": 0.98, "wall_s": 250.0}]
+    stats = {k: bench.mean_ci([r.get(k) for r in runs]) for k in bench.LABELS}
+    summary = {"runs": runs, "base": {}, "stats": stats, "gain": bench.mean_ci([0.2, 0.22]), "steps": 40}
+    bench.write_docs(tmp_path / "docs", summary)
+    table = (tmp_path / "docs" / "table.md").read_text()
+    assert "| verifier balanced accuracy, end | 0.990 ± 0.127 |" in table
+    assert "over 2 seeds (40 steps each)" in table and "| wall time of a run (s) | 245.0 ± 63.5 |" in table
+    assert json.loads((tmp_path / "docs" / "summary.json").read_text())["steps"] == 40
