@@ -94,16 +94,22 @@ def near_miss(rng: random.Random, s: int) -> int:
 
 def warmstart_examples(rng: random.Random, tasks: list[dict], n: int) -> list[tuple[str, str]]:
     """Supervised (prompt, response) pairs for the model build: both roles, half-wrong candidates."""
+    return _examples(
+        rng, tasks, n, lambda t, c: (verifier_prompt(t, c), ("1" if c == t["answer"] else "0") + EOS)
+    )
+
+
+def _examples(rng: random.Random, tasks: list[dict], n: int, judged) -> list[tuple[str, str]]:
+    """``n`` pairs: half solver examples, half ``judged(task, candidate)`` of candidates that are
+    right half the time, else near misses (the draws in this order, so a seed gives one build)."""
     out = []
     for _ in range(n):
         t = rng.choice(tasks)
         if rng.random() < 0.5:
             out.append((solver_prompt(t), t["answer"] + EOS))
         else:
-            right = rng.random() < 0.5
             s = int(t["answer"])
-            cand_s = f"{s if right else near_miss(rng, s):03d}"
-            out.append((verifier_prompt(t, cand_s), ("1" if cand_s == t["answer"] else "0") + EOS))
+            out.append(judged(t, f"{s if rng.random() < 0.5 else near_miss(rng, s):03d}"))
     return out
 
 
@@ -124,13 +130,4 @@ def check_response(task: dict, candidate: str) -> str:
 def check_examples(rng: random.Random, tasks: list[dict], n: int) -> list[tuple[str, str]]:
     """Supervised pairs for the checker build: half solver examples (the check needs the sum), half
     worked checks of candidates that are right half the time, else near misses."""
-    out = []
-    for _ in range(n):
-        t = rng.choice(tasks)
-        if rng.random() < 0.5:
-            out.append((solver_prompt(t), t["answer"] + EOS))
-        else:
-            s = int(t["answer"])
-            cand = f"{s if rng.random() < 0.5 else near_miss(rng, s):03d}"
-            out.append((check_prompt(t, cand), check_response(t, cand)))
-    return out
+    return _examples(rng, tasks, n, lambda t, c: (check_prompt(t, c), check_response(t, c)))
