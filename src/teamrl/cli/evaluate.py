@@ -58,12 +58,11 @@ async def _run(args: argparse.Namespace) -> dict:
     ks = sorted({int(x) for x in args.k.split(",")})
     if ks[-1] > args.n:
         raise SystemExit(f"teamrl eval: k={ks[-1]} > n={args.n}")
-    team = _plan(args)
+    team, folders = _plan(args)
     bases = _engines(team, args.seed)
     engines = {m: b.engine for m, b in bases.items()}
     runner = WorkflowRunner(args.workflow, engines, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
-    folders = _adapter_folders(args.adapters, team)
     await bases.start()
     try:
         for model_id, folder in folders.items():
@@ -93,9 +92,9 @@ def _engines(team: Any, seed: int) -> Any:
     )
 
 
-def _plan(args: argparse.Namespace) -> Any:
-    """The checked team (``teamrl.rollout.team``: its base models and their folders), with
-    ``--adapters`` checked against it; a problem exits naming it."""
+def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Path]]:
+    """The checked team (``teamrl.rollout.team``: its base models and their folders) and
+    ``--adapters`` checked against it (:func:`_adapter_folders`); a problem exits naming it."""
     from teamrl.cli.plan import PlanError, resolve_models
     from teamrl.rollout.team import plan_team
     from teamrl.rollout.workflow import WorkflowError
@@ -104,8 +103,9 @@ def _plan(args: argparse.Namespace) -> Any:
         team = plan_team(args.workflow, resolve_models(args.model, args.workflow), tasks_path=args.tasks)
     except (PlanError, WorkflowError) as e:
         raise SystemExit(f"teamrl eval: {e}") from None
-    _check_serve(args.serve, _adapter_folders(args.adapters, team), team)
-    return team
+    folders = _adapter_folders(args.adapters, team)
+    _check_serve(args.serve, folders, team)
+    return team, folders
 
 
 def _adapter_folders(specs: list[str] | None, team: Any) -> dict[str, Path]:

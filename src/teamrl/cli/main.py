@@ -15,25 +15,24 @@ def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
 
     kind = getattr(args, "kind", "char")
     if kind == "text":
-        from teamrl.models import text as mb
+        from teamrl.models import text
 
-        default_dir, build_fn = mb.default_text_model_dir, mb.build_text
-    elif kind == "llama":
-        from teamrl.learner import modelbuild as mb
-
-        default_dir, build_fn = mb.default_llama_model_dir, mb.build_llama
-    elif kind == "checker":
-        from teamrl.learner import modelbuild as mb
-
-        default_dir, build_fn = mb.default_checker_model_dir, mb.build_checker
+        default_dir, build_fn, default_steps = (
+            text.default_text_model_dir,
+            text.build_text,
+            text.DEFAULT_STEPS,
+        )
     else:
         from teamrl.learner import modelbuild as mb
 
-        default_dir, build_fn = mb.default_model_dir, mb.build
+        default_dir, build_fn, default_steps = {
+            "char": (mb.default_model_dir, mb.build, mb.DEFAULT_STEPS),
+            "llama": (mb.default_llama_model_dir, mb.build_llama, mb.DEFAULT_STEPS),
+            "checker": (mb.default_checker_model_dir, mb.build_checker, mb.CHECKER_STEPS),
+        }[kind]
     if args.model_cmd == "path":
         print(default_dir())
         return 0
-    default_steps = mb.CHECKER_STEPS if kind == "checker" else mb.DEFAULT_STEPS
     steps = args.steps if args.steps is not None else default_steps
     if steps < 1:
         print(f"teamrl model build: --steps must be >= 1 (got {steps})", file=sys.stderr)
