@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from teamrl.learner import buffer as B
-from teamrl.learner.buffer import Refused, ReplayBuffer, Sample, SegmentStore
+from teamrl.learner.buffer import Refused, ReplayBuffer, Sample
 from teamrl.learner.buffer_config import BufferConfig
+from teamrl.learner.buffer_segments import SegmentStore
 from teamrl.protocol.codec import decode_batches, decode_trajectories, encode_trajectories
 from teamrl.protocol.examples import example_trajectories
 from teamrl.protocol.trajectory import GraphTrajectory

@@ -56,10 +56,10 @@ from teamrl.learner.buffer import (
     InvalidView,
     Refused,
     ReplayBuffer,
-    SegmentStore,
     VersionOutOfRange,
 )
 from teamrl.learner.buffer_config import BufferConfig
+from teamrl.learner.buffer_segments import SegmentStore
 from teamrl.protocol import metrics as wire_metrics
 from teamrl.protocol.codec import decode_batches
 from teamrl.protocol.config import TransportConfig
