@@ -1,4 +1,4 @@
-"""TensorBoard event files written without TensorBoard: CRC-32C, record framing, scalars round trip.
+"""TensorBoard event files written with tensorboardX: CRC-32C, record framing, scalars round trip.
 
 The files are also read back with TensorBoard's own reader (``tensorboard``, a dev dependency), so
 the check does not rest on our reader agreeing with our writer.
