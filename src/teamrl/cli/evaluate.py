@@ -96,8 +96,8 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Path]]:
     """The checked team (``teamrl.rollout.team``: its base models and their folders) and
     ``--adapters`` checked against it (:func:`_adapter_folders`); a problem exits naming it."""
     from teamrl.cli.plan import PlanError, resolve_models
+    from teamrl.rollout.spec import WorkflowError
     from teamrl.rollout.team import plan_team
-    from teamrl.rollout.workflow import WorkflowError
 
     try:
         team = plan_team(args.workflow, resolve_models(args.model, args.workflow), tasks_path=args.tasks)

@@ -139,8 +139,8 @@ def resolve_models(
 
 def plan(args: argparse.Namespace, *, build: bool = True) -> RunPlan:
     """Check everything and resolve the services' tables; raises :class:`PlanError`."""
+    from teamrl.rollout.spec import WorkflowError
     from teamrl.rollout.team import plan_team
-    from teamrl.rollout.workflow import WorkflowError
 
     try:
         model = resolve_models(args.model, args.workflow, build=build)

@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(schema_text())
         return 0
     from teamrl.cli.plan import PlanError, config_toml, plan, resolve_models
+    from teamrl.rollout.spec import WorkflowError
     from teamrl.rollout.team import plan_team
-    from teamrl.rollout.workflow import WorkflowError
 
     t0 = time.perf_counter()
     try:

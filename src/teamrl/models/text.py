@@ -14,7 +14,7 @@ What the build does (deterministic for a given ``seed`` and ``steps`` on one mac
    (padding), ``<|im_start|>``, ``<|im_end|>`` (end of a turn: the EOS) and a ChatML chat template,
    so the rollout renders ``[system: profile] + [user: text]`` through ``apply_chat_template``.
 2. **Demonstrations, rendered by the rollout itself.** Each built-in text workflow is run by
-   ``teamrl.rollout.workflow.run_episode`` against a scripted backend that writes the reference
+   ``teamrl.rollout.executor.run_episode`` against a scripted backend that writes the reference
    responses (planner: a numbered plan; solver: one ``a op b = c`` line per step and ``Answer: N``;
    verifier: the recomputation and ``VERDICT: correct`` / ``VERDICT: wrong``, with wrong solver
    attempts made on purpose; coder/reviewer on the bundled HumanEval sample; searcher: a real BM25
@@ -288,7 +288,7 @@ def demonstrations(tok: Any, n_episodes: int, seed: int = 0) -> list[Example]:
     ``tok`` is a ``teamrl.rewards.tokenizer`` tokenizer; with ``ByteTokenizer`` the prompts are
     plain text (used to gather the tokenizer's training text).
     """
-    from teamrl.rollout.workflow import run_episode
+    from teamrl.rollout.executor import run_episode
 
     rng = random.Random(f"teamrl-text-demos-{seed}")
     names = list(EPISODE_MIX)
@@ -506,7 +506,7 @@ class GreedyBackend:
 
 def run_greedy_episodes(model: Any, tok: Any, workflow: Any, tasks: list[dict[str, Any]]) -> list[Any]:
     """Greedy episodes of ``workflow`` (with its reward) on ``tasks``; returns the trajectories."""
-    from teamrl.rollout.workflow import run_episode
+    from teamrl.rollout.executor import run_episode
 
     backend = GreedyBackend(model, tok)
 

@@ -17,8 +17,8 @@ from teamrl.cli.plan import PlanError, learner_ranks, learner_table, plan
 from teamrl.cli.run import parse_args
 from teamrl.cli.run_async import Wiring, plan_services
 from teamrl.learner.config import LearnerConfigError, load_learner_config
+from teamrl.rollout.spec import WorkflowError
 from teamrl.rollout.team import plan_team
-from teamrl.rollout.workflow import WorkflowError
 
 HETERO = "addition-duo-hetero"  # solver on embedded-v1 (Qwen2), verifier on embedded-llama
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from teamrl.rewards.tokenizer import ByteTokenizer
+from teamrl.rollout.spec import WorkflowError
 from teamrl.rollout.team import lora_targets, plan_team
-from teamrl.rollout.workflow import WorkflowError
 from teamrl.rollout.workflows import load
 
 CLI = [sys.executable, "-m", "teamrl.cli.main"]
@@ -129,7 +129,8 @@ def test_reward_answer_from_must_name_an_agent_and_other_refusals(tmp_path: Path
 
 
 def test_answer_from_scores_the_named_agent_not_the_last_of_a_role() -> None:
-    from teamrl.rollout.workflow import ActView, AdditionReward
+    from teamrl.rewards.base import ActView
+    from teamrl.rewards.outcome import AdditionReward
 
     task = {"question": "07+45=", "answer": "52"}
 

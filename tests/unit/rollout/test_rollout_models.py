@@ -248,7 +248,7 @@ class Scripted:
 
 def test_runner_routes_each_agent_to_its_base_and_records_that_base_version(tmp_path: Path) -> None:
     from teamrl.rollout.runner import WorkflowRunner
-    from teamrl.rollout.workflow import WorkflowError
+    from teamrl.rollout.spec import WorkflowError
 
     wf = str(two_base_workflow(tmp_path))
     first = Scripted(marker_model(tmp_path / "m1"), {"solver-lora": "52;"}, version=5)

@@ -10,6 +10,8 @@ import pytest
 from teamrl.protocol import decode_trajectories, encode_trajectories
 from teamrl.rewards.tokenizer import ByteTokenizer
 from teamrl.rollout.engine import Generation
+from teamrl.rollout.executor import run_episode
+from teamrl.rollout.spec import resolve_data_path
 from teamrl.rollout.tools import (
     BM25Index,
     Document,
@@ -19,7 +21,7 @@ from teamrl.rollout.tools import (
     parse_tool_call,
     read_documents,
 )
-from teamrl.rollout.workflow import Workflow, resolve_data_path, run_episode
+from teamrl.rollout.workflow import Workflow
 from teamrl.rollout.workflows import data_path, load
 
 BYTES = ByteTokenizer()

@@ -19,7 +19,9 @@ import pytest
 from teamrl.protocol import decode_trajectories, encode_trajectories
 from teamrl.rewards.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, TokenizerError
 from teamrl.rollout.engine import Generation, Sampling
-from teamrl.rollout.workflow import Workflow, WorkflowError, run_episode
+from teamrl.rollout.executor import run_episode
+from teamrl.rollout.spec import WorkflowError
+from teamrl.rollout.workflow import Workflow
 from teamrl.rollout.workflows import load, load_workflow
 
 CHAR = CharTokenizer()

@@ -115,7 +115,8 @@ def test_three_agent_dag_on_vllm_records_the_behaviour_log_probs(setup) -> None:
     from teamrl.protocol import decode_trajectories, encode_trajectories
     from teamrl.rewards.addition import make_task
     from teamrl.rewards.tokenizer import CharTokenizer
-    from teamrl.rollout.workflow import Workflow, run_episode
+    from teamrl.rollout.executor import run_episode
+    from teamrl.rollout.workflow import Workflow
 
     wf = Workflow.from_dict(DAG, max_lora_rank=setup["engine"].cfg.max_lora_rank)
     assert wf.levels() == [["solver"], ["verifier", "checker"]]
@@ -174,7 +175,7 @@ def test_addition_trio_routes_on_real_verdicts(setup) -> None:
     from teamrl.protocol import decode_trajectories, encode_trajectories
     from teamrl.rewards.addition import make_task
     from teamrl.rewards.tokenizer import CharTokenizer
-    from teamrl.rollout.workflow import run_episode
+    from teamrl.rollout.executor import run_episode
     from teamrl.rollout.workflows import load
 
     wf = load("addition-trio")
@@ -217,7 +218,8 @@ def test_each_agent_records_log_probs_at_its_own_temperature(setup) -> None:
 
     from teamrl.rewards.addition import make_task
     from teamrl.rewards.tokenizer import CharTokenizer
-    from teamrl.rollout.workflow import Workflow, run_episode
+    from teamrl.rollout.executor import run_episode
+    from teamrl.rollout.workflow import Workflow
 
     temps = {"solver": 0.7, "verifier": 1.6, "checker": 0.4}
     spec = copy.deepcopy(DAG)

@@ -16,7 +16,9 @@ from teamrl.protocol import decode_trajectories, encode_trajectories
 from teamrl.rewards.errors import DatasetError
 from teamrl.rewards.tokenizer import ByteTokenizer, CharTokenizer
 from teamrl.rollout.engine import Generation
-from teamrl.rollout.workflow import Workflow, WorkflowError, run_episode
+from teamrl.rollout.executor import run_episode
+from teamrl.rollout.spec import WorkflowError
+from teamrl.rollout.workflow import Workflow
 from teamrl.rollout.workflows import (
     BUILTIN,
     TASK_SETS,

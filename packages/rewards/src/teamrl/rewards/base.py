@@ -15,6 +15,13 @@ Call sequence::
 
 Registry entries are factories taking keyword arguments, so configs stay out of the classes: a
 caller passes a config table's keys straight through (``get_reward(name, **table)``).
+
+A workflow's team is scored one level up, per episode: an :class:`EpisodeReward` is
+``reward(task, acts) -> EpisodeRewards``, from the acts of one episode (:class:`ActView`, what a
+reward sees of each act) to step, turn and trajectory rewards (UnityMAS-O's three levels). Both
+shapes are defined here and nowhere else; the episode rewards (``teamrl.rewards.outcome``, named by
+a workflow's ``[reward]`` table) score each answering act as a completion (``OutcomeReward`` with a
+reward of the registry above).
 """
 
 from __future__ import annotations
@@ -49,6 +56,34 @@ class Reward(Protocol):
     """A reward: ``__call__(completion, task) -> RewardResult``; never raises on bad completions."""
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult: ...
+
+
+@dataclass
+class ActView:
+    """What an episode reward sees of one node act (all its tool rounds together)."""
+
+    index: int  # act index (order of acting)
+    node: str
+    agent_id: str
+    role: str
+    turn: int
+    text: str  # the act's full response: every round's text and tool results
+    output: str  # the agent's output view of ``text``
+    parents: list[int]  # act indices whose outputs the prompt contained
+    steps: list[int]  # the trajectory step indices of this act (one per tool round)
+
+
+@dataclass
+class EpisodeRewards:
+    acts: list[float]  # one per act; each of the act's steps gets it
+    turns: list[float]  # one per turn that ran
+    trajectory: float
+
+
+class EpisodeReward(Protocol):
+    """``(task, acts) -> EpisodeRewards``; may block (sandbox, sympy): it runs in a worker thread."""
+
+    def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards: ...
 
 
 def require(task: Mapping[str, Any], key: str, kind: type | tuple[type, ...], reward: str) -> Any:

@@ -2,7 +2,7 @@
 
 ``WorkflowRunner(name_or_toml, engine, incarnation)`` gives: the training tasks of one replica's
 shard, the held-out tasks, one episode as a :class:`GraphTrajectory` (through
-:func:`teamrl.rollout.workflow.run_episode`), and a greedy held-out evaluation. ``name_or_toml`` is a
+:func:`teamrl.rollout.executor.run_episode`), and a greedy held-out evaluation. ``name_or_toml`` is a
 built-in workflow name (``teamrl.rollout.workflows.names()``) or a workflow TOML file.
 
 ``engine`` is one engine, serving the workflow's one base model (:func:`served_model`), or a mapping
@@ -52,7 +52,8 @@ class WorkflowRunner:
         """``engine``: one engine, or ``{model_id: engine}``; ``model_dir``: the tokenizer's folder
         (one, or one per model id) when not the engines' own ``cfg.model``."""
         from teamrl.rewards.tokenizer import tokenizer_for
-        from teamrl.rollout.workflow import Workflow, WorkflowError
+        from teamrl.rollout.spec import WorkflowError
+        from teamrl.rollout.workflow import Workflow
 
         wf = load(name)
         self.name = wf.name
@@ -98,7 +99,7 @@ class WorkflowRunner:
 
     async def episode(self, task: dict, seed: int, *, group_id: str, seq: int = 0, greedy: bool = False):
         """One episode (sampled, or greedy); a cancelled episode raises and returns nothing."""
-        from teamrl.rollout.workflow import run_episode
+        from teamrl.rollout.executor import run_episode
 
         self._seq += 1
         return await run_episode(
@@ -134,7 +135,7 @@ def served_model(wf: Any) -> str | None:
 def _engines_by_model(wf: Any, engine: Any) -> dict[str, Any]:
     """``{model_id: engine}`` for ``wf``: the mapping as given, or one engine keyed by
     :func:`served_model`. Raises WorkflowError naming an agent whose model has no engine."""
-    from teamrl.rollout.workflow import WorkflowError
+    from teamrl.rollout.spec import WorkflowError
 
     if isinstance(engine, Mapping):
         engines = dict(engine)

@@ -207,7 +207,7 @@ def resolve_bases(cfg: RolloutConfig, weights: str | Sequence[str] | None = None
     RolloutConfigError, naming the model id and the field, before any engine starts: a model id
     that is not the workflow's, a workflow model an agent runs on with no engine, a base with
     trained agents and no weights endpoint, a ``path`` without config.json."""
-    from teamrl.rollout.workflow import WorkflowError
+    from teamrl.rollout.spec import WorkflowError
     from teamrl.rollout.workflows import load
 
     plain, keyed = parse_weights_flags(weights)

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from teamrl.rewards.tokenizer import Tokenizer, TokenizerError, tokenizer_for
-from teamrl.rollout.workflow import Workflow, WorkflowError, _Missing, _prompt_ids, _TaskView
+from teamrl.rollout.executor import _Missing, _prompt_ids, _TaskView
+from teamrl.rollout.spec import WorkflowError
+from teamrl.rollout.workflow import Workflow
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256)  # max_lora_rank values vLLM accepts (1 is too small to matter)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

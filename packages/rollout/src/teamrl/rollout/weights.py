@@ -236,7 +236,7 @@ class WeightsApplier:
         """Adopt a LangMARL profile version (checked sha256, newer, known agents); False (counted) if refused."""
         from teamrl.rewards.profiles import UPDATES_REFUSED, ProfilesRefused, apply_profiles
         from teamrl.rewards.tokenizer import TokenizerError
-        from teamrl.rollout.workflow import WorkflowError
+        from teamrl.rollout.spec import WorkflowError
 
         self.profiles_seen = max(self.profiles_seen, msg.version)  # a refused version is not retried
         try:

@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from teamrl.rollout.workflow import Workflow, WorkflowError, data_path
+from teamrl.rollout.spec import WorkflowError, data_path
+from teamrl.rollout.workflow import Workflow
 from teamrl.rollout.workflows.addition import ADDITION_DUO, ADDITION_TRIO
 from teamrl.rollout.workflows.coding import CODE_REFLECT
 from teamrl.rollout.workflows.data import load_task_file, shard
@@ -156,7 +157,7 @@ def tasks_for(workflow: Workflow, path: str | Path | None = None) -> list[dict[s
     """The tasks ``workflow`` names in its ``tasks`` table, or those of ``path`` when given."""
     src = workflow.tasks
     if path is not None or src.path:
-        from teamrl.rollout.workflow import resolve_data_path
+        from teamrl.rollout.spec import resolve_data_path
 
         return load_task_file(path if path is not None else resolve_data_path(str(src.path)), src.format)
     return load_tasks(src.builtin, seed=src.seed)
