@@ -243,12 +243,12 @@ def test_services_on_four_hosts_find_each_other_and_survive_a_cut_link(tmp_path:
     buf_cfg.update(checkpoint_interval_s=0.5, max_times_sampled=1, sampler="fifo")
     # The shipped [transport] points at the Kubernetes Secret's mount; here the four hosts share a
     # key set made for the test, so every link runs with CURVE exactly as deployed.
-    from teamrl.cli.config import _to_toml
+    from teamrl.cli.config import to_toml
     from teamrl.protocol.curve import generate_run_keys
 
     transport = {**shipped.get("transport", {}), "curve_dir": str(generate_run_keys(tmp_path / "curve"))}
     cfg_file = tmp_path / "teamrl.toml"
-    cfg_file.write_text(_to_toml({**shipped, "buffer": buf_cfg, "transport": transport}) + "\n")
+    cfg_file.write_text(to_toml({**shipped, "buffer": buf_cfg, "transport": transport}) + "\n")
     buffer_dir, run_dir, logs = tmp_path / "buffer", tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     at = {

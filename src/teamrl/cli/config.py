@@ -1,11 +1,11 @@
 """Typed configs for the CLI: the shared loader (``teamrl.protocol.configfile``) and ``dump_toml``,
-which writes a resolved config into the run folder."""
+which writes a resolved config into the run folder (with ``tomli-w``)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import tomli_w
 from pydantic import BaseModel
 
 # The loader is shared with the services (teamrl.protocol.configfile); re-exported for the CLI.
@@ -20,36 +20,19 @@ from teamrl.protocol.configfile import (  # noqa: F401
 
 
 def dump_toml(cfg: BaseModel) -> str:
-    """Write a resolved config as TOML (for the run folder). Only tables, scalars and lists occur."""
-    return _to_toml(cfg.model_dump(mode="json"))
+    """Write a resolved config as TOML (for the run folder)."""
+    return to_toml(cfg.model_dump(mode="json"))
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are TOML basic-string escapes
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+def _without_none(v: Any) -> Any:
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if v is None:
-        return '""'
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+        return {k: _without_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_without_none(x) for x in v]
+    return v
 
 
-def _key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
-
-
-def _to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    scalars = [(k, v) for k, v in data.items() if not isinstance(v, dict) and v is not None]
-    tables = [(k, v) for k, v in data.items() if isinstance(v, dict)]
-    out = [f"{_key(k)} = {_toml_value(v)}" for k, v in scalars]
-    for k, v in tables:
-        name = f"{prefix}.{_key(k)}" if prefix else _key(k)
-        out.append(f"\n[{name}]")
-        out.append(_to_toml(v, name))
-    return "\n".join(x for x in out if x)
+def to_toml(data: dict[str, Any]) -> str:
+    """``data`` as a TOML document. TOML has no null: a key whose value is None is left out (reading
+    the file back gives the field its default). A None inside a list has no such reading and raises."""
+    return tomli_w.dumps(_without_none(data))

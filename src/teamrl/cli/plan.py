@@ -389,6 +389,6 @@ def validate(cfg: dict[str, dict[str, Any]]) -> None:
 
 
 def config_toml(cfg: dict[str, Any]) -> str:
-    from teamrl.cli.config import _to_toml
+    from teamrl.cli.config import to_toml
 
-    return _to_toml(cfg) + "\n"
+    return to_toml(cfg)

@@ -62,3 +62,14 @@ def test_dump_round_trips():
 
     cfg = Outer(name='a "q"', learner=Inner(lr=0.5))
     assert Outer.model_validate(tomllib.loads(dump_toml(cfg))) == cfg
+
+
+def test_none_is_left_out_not_written_as_empty_string():
+    import tomllib
+
+    from teamrl.cli.config import to_toml
+
+    data = {"a": None, "b": 1, "t": {"c": None, "d": "x", "rows": [{"e": None, "f": 2}]}}
+    text = to_toml(data)
+    assert '""' not in text
+    assert tomllib.loads(text) == {"b": 1, "t": {"d": "x", "rows": [{"f": 2}]}}

@@ -43,12 +43,12 @@ def fake_model(root: Path, *, char: bool = True, modules=("q_proj", "k_proj", "v
 
 def write_workflow(path: Path, **changes) -> Path:
     """addition-duo as TOML with top-level tables replaced by ``changes``."""
-    from teamrl.cli.config import _to_toml
+    from teamrl.cli.config import to_toml
 
     data = load("addition-duo").model_dump(mode="json")
     data.update(changes)
     data["reward"] = {k: v for k, v in data["reward"].items() if v not in ("", {})}
-    path.write_text(_to_toml(_clean(data)))
+    path.write_text(to_toml(_clean(data)))
     return path
 
 
@@ -286,10 +286,10 @@ def test_sampling_the_learner_cannot_reproduce_is_refused(
     for a in agents:
         a["sampling"].update(sampling.get(a["id"], {}))
     path = tmp_path / "shared.toml"
-    from teamrl.cli.config import _to_toml
+    from teamrl.cli.config import to_toml
 
     data = load("addition-duo-shared").model_dump(mode="json") | {"agents": agents}
     data["reward"] = {k: v for k, v in data["reward"].items() if v not in ("", {})}
-    path.write_text(_to_toml(_clean(data)))
+    path.write_text(to_toml(_clean(data)))
     with pytest.raises(WorkflowError, match=pattern):
         plan_team(path, model)
