@@ -22,7 +22,7 @@ from typing import Any
 
 from teamrl.protocol.configfile import ConfigError, apply_overrides
 
-EMBEDDED = ("embedded", "embedded-text", "embedded-llama", "embedded-checker")
+EMBEDDED = ("embedded", "embedded-text", "embedded-llama", "embedded-checker", "smollm2-135m")
 SECTIONS = ("buffer", "learner", "rollout", "groups")
 
 
@@ -64,6 +64,10 @@ def _embedded(spec: str) -> tuple[Any, Any, str]:
         from teamrl.models import text
 
         return (lambda: text.build_text(measure_n=20)), text.default_text_model_dir, " --kind text"
+    if spec == "smollm2-135m":
+        from teamrl.models import smollm2
+
+        return smollm2.build, smollm2.default_dir, " --kind smollm2"
     from teamrl.learner import modelbuild as mb
 
     return {
@@ -76,7 +80,8 @@ def _embedded(spec: str) -> tuple[Any, Any, str]:
 def resolve_model(spec: str | None, workflow_path: str = "", *, build: bool = True) -> Path:
     """The model folder: a path or an embedded model's name (``embedded``: the character model;
     ``embedded-llama``: the same on Llama; ``embedded-checker``: the addition checker;
-    ``embedded-text``: the BPE model); none given: the workflow's own ``models.<id>.path``, else
+    ``embedded-text``: the BPE model; ``smollm2-135m``: SmolLM2-135M-Instruct from its pinned wheel,
+    docs/real-model.md); none given: the workflow's own ``models.<id>.path``, else
     ``embedded``. The embedded folders are built the first time (minutes) unless ``build`` is false."""
     spec = spec or workflow_path or "embedded"
     if spec in EMBEDDED:
