@@ -73,7 +73,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace, list[str]], int] | 
         "build the embedded model and run the default training job",
         _delegate("teamrl.cli.run", "demo_main"),
     ),
-    "rollout": ("run one rollout service (vLLM actor) against a buffer", _delegate("teamrl.rollout.service")),
+    "rollout": ("run one rollout service (vLLM actor) against a buffer", _delegate("teamrl.rollout.cli")),
     "buffer": ("run the replay buffer service", _delegate("teamrl.learner.buffer_service")),
     "learner": ("run a learner rank (DeepSpeed)", _delegate("teamrl.learner.service")),
     "model": ("build the embedded default model (`teamrl model build`), or print its path", _cmd_model),

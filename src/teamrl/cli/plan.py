@@ -374,7 +374,7 @@ def validate(cfg: dict[str, dict[str, Any]]) -> None:
     from teamrl.learner.buffer_config import BufferConfig
     from teamrl.learner.config import LearnerConfig
     from teamrl.protocol.configfile import format_validation_error
-    from teamrl.rollout.service import RolloutConfig
+    from teamrl.rollout.config import RolloutConfig
 
     tables = [("buffer", BufferConfig, cfg["buffer"]), ("rollout", RolloutConfig, cfg["rollout"])]
     groups = cfg.get("groups") or {"": {}}

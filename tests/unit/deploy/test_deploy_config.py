@@ -43,7 +43,7 @@ DIAL_FLAGS = {
 }
 SERVICE_MODULES = {
     "buffer": "teamrl.learner.buffer_service",
-    "rollout": "teamrl.rollout.service",
+    "rollout": "teamrl.rollout.cli",
     "learner": "teamrl.learner.service",
 }
 
@@ -139,7 +139,7 @@ def test_learner_section_is_accepted_by_the_learner() -> None:
 
 
 def test_rollout_section_is_accepted_by_the_rollout(shipped_config: Doc) -> None:
-    mod = pytest.importorskip("teamrl.rollout.service")
+    mod = pytest.importorskip("teamrl.rollout.config")
     cfg = mod.load_config(str(CONFIG_FILE), [])
     assert cfg.model_dump(include=set(shipped_config["rollout"])) == shipped_config["rollout"]
     # Deployment pods take their replica index from POD_NAME, not from the shared file.
@@ -169,7 +169,7 @@ def test_sections_agree_on_groups_and_drain(shipped_config: Doc, overlay_docs: d
     """Values that must match across services (each service reads only its own table)."""
     from teamrl.learner.buffer_config import load_buffer_config
     from teamrl.learner.config import load_learner_config
-    from teamrl.rollout.service import load_config
+    from teamrl.rollout.config import load_config
 
     buf, lrn = load_buffer_config(CONFIG_FILE), load_learner_config(CONFIG_FILE)
     rol = load_config(str(CONFIG_FILE), [])
@@ -225,7 +225,7 @@ def test_flags_use_config_ports_and_endpoints(
     overlay_docs: dict[str, list[Doc]], shipped_config: Doc
 ) -> None:
     ports, ends, paths = shipped_config["ports"], shipped_config["endpoints"], shipped_config["paths"]
-    from teamrl.rollout.service import parse_weights_flags
+    from teamrl.rollout.config import parse_weights_flags
 
     for name, docs in overlay_docs.items():
         workloads = _workloads(docs)

@@ -144,7 +144,7 @@ def test_each_group_table_validates_as_the_learner_merges_it(config_file: Path, 
 
 def test_rollout_table_validates_and_serves_every_group(config_file: Path, config: Doc) -> None:
     from teamrl.learner.config import load_learner_config
-    from teamrl.rollout.service import RolloutConfig, load_config
+    from teamrl.rollout.config import RolloutConfig, load_config
 
     rol = load_config(str(config_file), [])
     assert isinstance(rol, RolloutConfig)
@@ -166,7 +166,7 @@ def test_sections_agree_on_groups_and_drain(config_file: Path, config: Doc) -> N
     """As test_deploy_config checks for the shipped config, per learner group."""
     from teamrl.learner.buffer_config import load_buffer_config
     from teamrl.learner.config import load_learner_config
-    from teamrl.rollout.service import load_config
+    from teamrl.rollout.config import load_config
 
     buf, rol = load_buffer_config(config_file), load_config(str(config_file), [])
     assert buf.group_size == rol.group_size
@@ -217,7 +217,7 @@ def test_tables_are_what_workflow_plan_prints(config: Doc) -> None:
 
 
 def test_rollout_weights_name_each_group_rank0(config: Doc) -> None:
-    from teamrl.rollout.service import parse_weights_flags
+    from teamrl.rollout.config import parse_weights_flags
 
     docs = _docs()
     args = _container(_one(docs, "Deployment", "rollout"))["args"]

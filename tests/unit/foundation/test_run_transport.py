@@ -17,8 +17,8 @@ from teamrl.learner.buffer_service import load_transport as buffer_transport
 from teamrl.learner.config import LearnerConfigError
 from teamrl.learner.service import load_transport as learner_transport
 from teamrl.protocol.curve import ROLES
-from teamrl.rollout.service import RolloutConfigError
-from teamrl.rollout.service import load_transport as rollout_transport
+from teamrl.rollout.config import RolloutConfigError
+from teamrl.rollout.config import load_transport as rollout_transport
 
 
 def test_insecure_flag_defaults_off() -> None:

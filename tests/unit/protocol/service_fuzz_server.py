@@ -81,7 +81,7 @@ def main(kind: str, directory: Path) -> int:
         pub.close()
         return 0
     if kind == "http":
-        from teamrl.rollout.service import _Http
+        from teamrl.rollout.probe_server import ProbeServer as _Http
 
         server = _Http(("127.0.0.1", 0), StubRollout())  # type: ignore[arg-type]
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from teamrl.rollout.service import RolloutConfig, RolloutConfigError, with_model
+from teamrl.rollout.config import RolloutConfig, RolloutConfigError, with_model
 
 
 def test_the_embedded_folder_is_used_when_built_and_named_when_not(tmp_path: Path, monkeypatch) -> None:

@@ -26,19 +26,19 @@ from pathlib import Path
 import pytest
 
 from teamrl.rewards.tokenizer import CharTokenizer
-from teamrl.rollout.engine import Generation
-from teamrl.rollout.service import (
+from teamrl.rollout.bases import engine_cpu_shares
+from teamrl.rollout.cli import main
+from teamrl.rollout.config import (
     DEFAULT_WEIGHTS,
     RolloutConfig,
     RolloutConfigError,
-    RolloutService,
-    engine_cpu_shares,
     load_config,
-    main,
     parse_weights_flags,
     resolve_bases,
     with_model,
 )
+from teamrl.rollout.engine import Generation
+from teamrl.rollout.service import RolloutService
 
 ROOT = Path(__file__).parents[3]
 CHAR = CharTokenizer()

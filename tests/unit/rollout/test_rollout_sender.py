@@ -8,7 +8,7 @@ import threading
 import time
 
 from teamrl.protocol.zmq_transport import ZmqDataReceiver
-from teamrl.rollout.service import _Sender
+from teamrl.rollout.sender import Sender as _Sender
 
 
 def free_port() -> int:
