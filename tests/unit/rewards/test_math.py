@@ -1,4 +1,4 @@
-"""Math answers: extraction, string/numeric/symbolic equivalence, and the killable sympy worker."""
+"""Math answers: extraction, string/numeric/math-verify equivalence, and the killable worker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from teamrl.rewards.base import get_reward
 from teamrl.rewards.errors import TaskFormatError
-from teamrl.rewards.math_reward import MathReward, extract_answer, latex_to_sympy, normalize_math, to_number
+from teamrl.rewards.math_reward import MathReward, extract_answer, normalize_math, to_number
 
 TIMEOUT_S = 1.5
 
@@ -54,11 +54,6 @@ def test_normalize_and_numbers() -> None:
     assert to_number("1/0") is None
     assert to_number("1e99999") is None  # exponent too large to expand in-process
     assert to_number("x+1") is None
-
-
-def test_latex_translation() -> None:
-    assert latex_to_sympy("\\frac{1}{\\sqrt[3]{x}}") == "((1)/(((x)**(1/(3)))))"
-    assert latex_to_sympy("2\\cdot\\pi^{2}").split() == ["2", "*", "pi", "**(2)"]
 
 
 @pytest.mark.parametrize(
@@ -110,14 +105,21 @@ def test_symbolic_inequality(math_reward: MathReward) -> None:
 
 
 @pytest.mark.parametrize(
-    "hostile", ["__import__('os').system('true')", "x.__class__", "open('f')", "\\input{/etc/passwd}"]
+    "hostile",
+    [
+        "__import__('os').system('true')",
+        "x.__class__",
+        "\\input{/etc/passwd}",
+        "9**9**9**9",  # Python, not LaTeX: math-verify reads LaTeX only, and never evaluates code
+        "factorial(10**10)",
+    ],
 )
 def test_code_in_answers_is_unparsable(math_reward: MathReward, hostile: str) -> None:
     res = math_reward(f"\\boxed{{{hostile}}}", {"answer": "x"})
     assert (res.score, res.reason) == (0.0, "unparsable")
 
 
-@pytest.mark.parametrize("bomb", ["9**9**9**9", "factorial(10**10)"])
+@pytest.mark.parametrize("bomb", ["9^{9^{9^{9}}}", "(10^{10})!"])
 def test_explosive_math_times_out_and_worker_recovers(math_reward: MathReward, bomb: str) -> None:
     before = math_reward.worker.stats["timeouts"]
     t0 = time.monotonic()
@@ -139,3 +141,28 @@ def test_close_kills_worker_and_registry() -> None:
     reward.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_rewards_computed_in_threads() -> None:
+    """math-verify's SIGALRM timeouts cannot be armed off the main thread; the worker runs them on its
+    own main thread, so rewards computed by a thread pool still get symbolic answers and timeouts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reward = MathReward(timeout_s=TIMEOUT_S)
+    cases = [("\\frac{\\pi}{2}", "\\pi/2", 1.0), ("x^2-1", "(x-1)(x+1)", 1.0), ("x^2+1", "(x-1)(x+1)", 0.0)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda c: reward(f"\\boxed{{{c[0]}}}", {"answer": c[1]}), cases * 3))
+        assert [r.score for r in got] == [c[2] for c in cases] * 3
+        assert {r.reason for r in got} == {"ok", "wrong_answer"}
+        with ThreadPoolExecutor(1) as pool:
+            res = pool.submit(reward, "\\boxed{9^{9^{9^{9}}}}", {"answer": "1"}).result()
+        assert (res.score, res.reason) == (0.0, "timeout")
+    finally:
+        reward.close()
+
+
+def test_a_call_in_an_answer_is_never_run(math_reward: MathReward) -> None:
+    # math-verify reads ``open('f')`` as LaTeX: the product o*p*e*n*(f), a wrong answer, not a call.
+    res = math_reward("\\boxed{open('f')}", {"answer": "x"})
+    assert (res.score, res.reason) == (0.0, "wrong_answer")

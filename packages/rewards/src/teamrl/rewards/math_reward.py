@@ -1,4 +1,4 @@
-"""Math answer checking: extract the final answer, then compare by string, number, then symbolically.
+"""Math answer checking: extract the final answer, then compare by string, number, then math-verify.
 
 Pipeline (each stage only runs when the one before could not decide):
 
@@ -11,23 +11,28 @@ Pipeline (each stage only runs when the one before could not decide):
 3. **Numeric** equivalence, exact with ``fractions.Fraction``: integers, decimals, thousands commas
    (``1,234``), ``a/b`` and ``\\frac{a}{b}``, scientific notation with a small exponent, and percent
    (``50%`` equals both ``50`` and ``0.5``). Floats that differ by at most ``rel_tol`` (relative) are
-   equal too. This runs in-process: it has no unbounded step (digit counts and exponents are capped).
-4. **Symbolic** equivalence with sympy: ``parse_expr`` on a LaTeX-to-Python translation, equal if
-   ``a == b`` or ``simplify(a - b) == 0`` (or, for constants, ``|N(a - b)|`` within ``rel_tol``);
-   tuples compare element-wise.
+   equal too. This runs in-process, in microseconds: it has no unbounded step (digit counts and
+   exponents are capped), and most GSM8K-style answers end here.
+4. **Symbolic** equivalence with ``math-verify`` (the checker the field's math rewards use): both
+   answers, as written, parsed as LaTeX by ``latex2sympy2_extended`` and compared by its ``verify``
+   (sets, intervals, tuples, matrices, units and ``\\text{}``, numeric comparison to 6 places).
+   The old hand-written LaTeX-to-sympy translation is gone; docs/math-matching.md compares the two.
 
-Why stage 4 runs in a separate worker process: ``parse_expr`` evaluates what it parses, so
-``9**9**9**9`` or ``factorial(10**10)`` never returns, and ``simplify`` has no time limit of its own.
-A thread cannot be killed, so the worker is a subprocess (``python -I -m
-teamrl.rewards.math_reward``, its own session, an address-space rlimit) that the reward kills with
-``SIGKILL`` to its process group when an answer misses the wall-clock ``timeout_s``; the next call
-starts a fresh one. The worker is long-lived otherwise (importing sympy costs about a second).
-``parse_expr`` also uses ``eval``: input is limited to a character whitelist, ``__`` and attribute
-access are refused, and evaluation sees only a small dict of sympy names with empty ``__builtins__``.
+Why stage 4 runs in a separate worker process: sympy has no time limit of its own
+(``9^{9^{9^{9}}}`` never finishes), and math-verify's timeouts are ``SIGALRM`` alarms, which can only
+be armed on a process's main thread: called from any other thread ``parse`` raises ValueError
+unless its timeout is off (``None``), and then nothing bounds it. The worker (``python -I -m
+teamrl.rewards.math_reward``, its own session, an address-space rlimit) runs math-verify on its main
+thread with the alarms on (whole seconds below ``timeout_s``), and the reward still kills it with
+``SIGKILL`` to its process group when an answer misses the wall-clock ``timeout_s`` (what an alarm
+cannot interrupt); the next call starts a fresh one. The caller's side uses no signal, so any thread
+may compute rewards. The worker is long-lived otherwise (importing sympy and the grammar costs about
+a second). Only LaTeX is parsed: math-verify's plain-expression mode goes through sympy's
+``parse_expr``, which evaluates what it parses.
 
-Reasons: ``ok``, ``no_answer`` (nothing could be extracted), ``wrong_answer``, ``timeout`` (the
-worker was killed), ``unparsable`` (the answer is not an expression sympy reads), ``too_complex``
-(the worker ran out of memory or recursion depth).
+Reasons: ``ok``, ``no_answer`` (nothing could be extracted), ``wrong_answer``, ``timeout`` (math-verify's
+alarm, or the worker was killed), ``unparsable`` (the answer is not LaTeX math-verify reads),
+``too_complex`` (the worker ran out of memory or recursion depth).
 
 Call sequence::
 
@@ -209,156 +214,38 @@ def numbers_equal(a: tuple[Fraction, bool], b: tuple[Fraction, bool], rel_tol: f
     return False
 
 
-# ------------------------------------------------------------------------------------ LaTeX -> sympy
-
-_COMMANDS = {
-    "cdot": "*",
-    "times": "*",
-    "div": "/",
-    "pi": "pi",
-    "infty": "oo",
-    "ln": "log",
-    "log": "log",
-    "exp": "exp",
-    "sin": "sin",
-    "cos": "cos",
-    "tan": "tan",
-    "arcsin": "asin",
-    "arccos": "acos",
-    "arctan": "atan",
-    "sec": "sec",
-    "csc": "csc",
-    "cot": "cot",
-}
-_SAFE_CHARS = re.compile(r"[0-9A-Za-z_\s+\-*/().,!]*")
-_ATTRIBUTE = re.compile(r"[A-Za-z_)\]]\s*\.")
-
-
-class _Unparsable(ValueError):
-    pass
-
-
-def _arg(s: str, i: int) -> tuple[str, int]:
-    """One LaTeX argument at ``s[i:]``: a brace group or a single character (spaces skipped)."""
-    while i < len(s) and s[i] == " ":
-        i += 1
-    if i >= len(s):
-        raise _Unparsable("missing argument")
-    if s[i] == "{":
-        group = _braced(s, i)
-        if group is None:
-            raise _Unparsable("unbalanced braces")
-        return group
-    return s[i], i + 1
-
-
-def latex_to_sympy(s: str) -> str:
-    """Translate the LaTeX subset seen in final answers into Python/sympy syntax (raises _Unparsable)."""
-    out: list[str] = []
-    i = 0
-    while i < len(s):
-        ch = s[i]
-        if ch == "\\":
-            m = re.match(r"\\([A-Za-z]+)", s[i:])
-            if m is None:
-                raise _Unparsable(f"stray backslash at {i}")
-            name = m.group(1)
-            i += m.end()
-            if name in ("frac", "dfrac", "tfrac"):
-                num, i = _arg(s, i)
-                den, i = _arg(s, i)
-                out.append(f"(({latex_to_sympy(num)})/({latex_to_sympy(den)}))")
-            elif name == "sqrt":
-                if i < len(s) and s[i] == "[":
-                    close = s.find("]", i)
-                    if close < 0:
-                        raise _Unparsable("unclosed root index")
-                    index = latex_to_sympy(s[i + 1 : close])
-                    body, i = _arg(s, close + 1)
-                    out.append(f"(({latex_to_sympy(body)})**(1/({index})))")
-                else:
-                    body, i = _arg(s, i)
-                    out.append(f"sqrt({latex_to_sympy(body)})")
-            elif name in _COMMANDS:
-                out.append(f" {_COMMANDS[name]} ")
-            else:
-                raise _Unparsable(f"unsupported command \\{name}")
-        elif ch == "{":
-            out.append("(")
-            i += 1
-        elif ch == "}":
-            out.append(")")
-            i += 1
-        elif ch == "^":
-            out.append("**")
-            i += 1
-        else:
-            out.append(ch)
-            i += 1
-    return "".join(out)
-
-
-def _safe_source(answer: str) -> str:
-    src = latex_to_sympy(answer)
-    if not _SAFE_CHARS.fullmatch(src) or "__" in src or _ATTRIBUTE.search(src):
-        raise _Unparsable("characters outside the math whitelist")
-    if len(src) > 2000:
-        raise _Unparsable("answer too long")
-    return src
-
-
 # ---------------------------------------------------------------------------- symbolic (worker side)
 
-_SYMPY_NAMES = (
-    "Integer Float Rational Symbol Function Tuple pi E I oo zoo nan sqrt exp log sin cos tan sec csc cot "
-    "asin acos atan sinh cosh tanh Abs factorial binomial floor ceiling gcd lcm Max Min root"
-).split()
 
-
-def symbolic_equal(a_src: str, b_src: str, rel_tol: float) -> tuple[bool, str]:
-    """Worker side: ``(equal, reason)``. Imports sympy; only ever called inside the worker."""
+def _expressions(parsed: list[Any]) -> bool:
+    """Whether math-verify's parse produced a sympy object (else it only kept the answer as a string)."""
     import sympy
-    from sympy.parsing.sympy_parser import (
-        convert_xor,
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
+    from sympy.matrices import MatrixBase
 
-    names: dict[str, Any] = {n: getattr(sympy, n) for n in _SYMPY_NAMES}
-    names["__builtins__"] = {}
-    transforms = (*standard_transformations, implicit_multiplication_application, convert_xor)
+    return any(isinstance(x, sympy.Basic | MatrixBase) for x in parsed)
 
-    def parse(src: str) -> Any:
-        return parse_expr(
-            _safe_source(src), local_dict={}, global_dict=dict(names), transformations=transforms
-        )
 
+def symbolic_equal(pred: str, gold: str, timeout_s: float) -> tuple[bool, str]:
+    """Worker side: ``(equal, reason)`` by math-verify, reason compared / unparsable / timeout.
+
+    Both answers are read as LaTeX only (``LatexExtractionConfig``): its ``ExprExtractionConfig`` would
+    hand plain text to sympy's ``parse_expr``, which evaluates what it parses. math-verify's own
+    timeouts are ``SIGALRM`` alarms in whole seconds: they work here because the worker runs this on
+    its main thread (in a thread they cannot be armed); the parent's kill at ``timeout_s`` stays the
+    bound for what an alarm cannot interrupt."""
+    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
+
+    soft = max(1, int(timeout_s))
+    config = [LatexExtractionConfig()]
     try:
-        a, b = parse(a_src), parse(b_src)
-    except (MemoryError, RecursionError):
-        raise
-    except Exception:
-        return False, "unparsable"
-
-    def equal(x: Any, y: Any) -> bool:
-        if isinstance(x, tuple | sympy.Tuple) or isinstance(y, tuple | sympy.Tuple):
-            xs = tuple(x) if isinstance(x, tuple | sympy.Tuple) else (x,)
-            ys = tuple(y) if isinstance(y, tuple | sympy.Tuple) else (y,)
-            return len(xs) == len(ys) and all(equal(u, v) for u, v in zip(xs, ys, strict=True))
-        if x == y:
-            return True
-        diff = sympy.simplify(x - y)
-        if diff == 0:
-            return True
-        if not (diff.free_symbols or x.free_symbols or y.free_symbols):
-            d = complex(sympy.N(diff))
-            scale = max(1.0, abs(complex(sympy.N(x))))
-            return abs(d) <= rel_tol * scale
-        return False
-
-    try:
-        return bool(equal(a, b)), "compared"
+        p = parse(f"${pred}$", config, parsing_timeout=soft, raise_on_error=True)
+        g = parse(f"${gold}$", config, parsing_timeout=soft, raise_on_error=True)
+        if not (_expressions(p) and _expressions(g)):
+            return False, "unparsable"
+        return bool(verify(g, p, timeout_seconds=soft, raise_on_error=True)), "compared"
+    except TimeoutException:
+        return False, "timeout"
     except (MemoryError, RecursionError):
         raise
     except Exception:
@@ -373,7 +260,7 @@ def _worker_main(argv: list[str]) -> int:
     if memory_mb > 0:
         limit = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    import sympy  # noqa: F401 - imported before "ready" so the timeout excludes start-up
+    symbolic_equal("1", "1", 5.0)  # imports sympy, the LaTeX grammar, warms caches: before "ready"
 
     out = sys.stdout.buffer
 
@@ -385,7 +272,7 @@ def _worker_main(argv: list[str]) -> int:
     for line in sys.stdin.buffer:
         req = json.loads(line)
         try:
-            equal, reason = symbolic_equal(req["a"], req["b"], float(req["rel_tol"]))
+            equal, reason = symbolic_equal(req["a"], req["b"], float(req["timeout_s"]))
         except (MemoryError, RecursionError):
             reply({"equal": False, "reason": "too_complex"})
             return 3  # memory may be fragmented or held: let the parent start a fresh worker
@@ -416,9 +303,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 class SympyWorker:
-    """A killable sympy process. ``compare(a, b)`` -> ``(equal, reason)``; reason "timeout" after a kill.
+    """A killable math-verify process. ``compare(pred, gold, timeout_s)`` -> ``(equal, reason)``.
 
-    Thread-safe (one request at a time). After ``fork()`` the child starts its own worker.
+    Reason "timeout" after math-verify's alarm or a kill. Thread-safe (one request at a time): no
+    signal is used on the caller's side, so rewards may be computed in any thread. After ``fork()``
+    the child starts its own worker.
     ``stats`` counts starts, timeouts and crashes (what this fault boundary caught).
     """
 
@@ -486,13 +375,13 @@ class SympyWorker:
         except ValueError:
             return None
 
-    def compare(self, a: str, b: str, timeout_s: float, rel_tol: float = 1e-6) -> tuple[bool, str]:
+    def compare(self, a: str, b: str, timeout_s: float) -> tuple[bool, str]:
         with self._lock:
             if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
                 self._proc = None
                 self._start()
             assert self._proc is not None and self._proc.stdin is not None
-            request = json.dumps({"a": a, "b": b, "rel_tol": rel_tol}).encode() + b"\n"
+            request = json.dumps({"a": a, "b": b, "timeout_s": timeout_s}).encode() + b"\n"
             try:
                 self._proc.stdin.write(request)
                 self._proc.stdin.flush()
@@ -509,6 +398,8 @@ class SympyWorker:
             if answer.get("reason") == "too_complex":
                 self.stats["crashes"] += 1
                 self._stop()
+            elif answer.get("reason") == "timeout":  # math-verify's own alarm: the worker lives on
+                self.stats["timeouts"] += 1
             return bool(answer.get("equal")), str(answer.get("reason", "unparsable"))
 
     def close(self) -> None:
@@ -530,6 +421,12 @@ def _gold_answer(value: str | int | float) -> str:
         if found is not None:
             return found[0]
     return text
+
+
+def _as_written(answer: str) -> str:
+    """What math-verify reads: the answer as written (it normalises LaTeX itself, ``\\text{}`` units
+    included), less ``$`` delimiters and a sentence's full stop."""
+    return answer.strip().strip("$").strip().rstrip(".").strip()
 
 
 class MathReward:
@@ -568,7 +465,7 @@ class MathReward:
         with self._cache_lock:
             if key in self._cache:
                 return self._cache[key]
-        verdict = self.worker.compare(pred, gold, self.timeout_s, self.rel_tol)
+        verdict = self.worker.compare(pred, gold, self.timeout_s)
         if verdict[1] != "timeout":  # a timeout may be load; do not remember it
             with self._cache_lock:
                 if len(self._cache) >= self.cache_size:
@@ -578,7 +475,8 @@ class MathReward:
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
         gold_raw = require(task, "answer", (str, int, float), self.name)
-        gold = normalize_math(_gold_answer(gold_raw))
+        gold_text = _gold_answer(gold_raw)
+        gold = normalize_math(gold_text)
         found = extract_answer(completion[-self.max_chars :])
         if found is None:
             return RewardResult(0.0, "no_answer", {"extracted": None, "method": None, "gold": gold})
@@ -595,13 +493,13 @@ class MathReward:
             return RewardResult(0.0, "wrong_answer", details)
         if not self.symbolic:
             return RewardResult(0.0, "wrong_answer", details)
-        equal, reason = self._symbolic(pred, gold)
+        equal, reason = self._symbolic(_as_written(found[0]), _as_written(gold_text))
         if equal:
             return RewardResult(1.0, "ok", {**details, "match": "symbolic"})
         return RewardResult(0.0, "wrong_answer" if reason == "compared" else reason, details)
 
     def close(self) -> None:
-        """Kill the sympy worker (a later call starts a new one)."""
+        """Kill the math-verify worker (a later call starts a new one)."""
         self.worker.close()
 
 
