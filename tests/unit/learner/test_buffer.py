@@ -39,7 +39,7 @@ def trajs(
 
 
 def make(**kw) -> ReplayBuffer:
-    base = {"max_policy_lag": None}
+    base = {"max_policy_lag": None, "versions_from_data": True}  # the in-process rule these tests are about
     base.update(kw)
     return ReplayBuffer(**base)
 

@@ -62,6 +62,7 @@ def test_version_bounds_refuse_and_change_nothing(tmp_path: Path) -> None:
     sender = ZmqDataSender(svc.receiver.endpoint, "rollout-good", window=4, ack_timeout_s=5)
     rpc = RpcClient(svc.rpc.endpoint, timeout_ms=5000)
     try:
+        svc.buffer.announce(None, 3)  # the learner's version: the only source of the buffer's
         sender.send(_versioned(3, seed=1))
         _pump(svc, lambda: sender._pump(0) or sender.unacked == 0)
         held, version = svc.buffer.size, svc.buffer.current_version

@@ -66,7 +66,7 @@ def groups(n: int, size: int = 2, *, prefix: str = "g", **kw) -> list[GraphTraje
 
 
 def make(**kw) -> ReplayBuffer:
-    base = {"max_policy_lag": None, "group_size": 2}
+    base = {"max_policy_lag": None, "group_size": 2, "versions_from_data": True}  # in-process rule
     base.update(kw)
     return ReplayBuffer(**base)
 
@@ -379,6 +379,8 @@ def test_service_serves_a_learner_groups_request(tmp_path: Path):
         odd = groups(1, prefix="odd", a=10, b=1)
         odd[0].steps[0].model_id = ""  # model ids are not checked at admission
         svc.buffer.insert(groups(2, a=10, b=1) + odd)
+        svc.buffer.announce(BASE_A, 10)  # versions come from the learners' announcements
+        svc.buffer.announce(BASE_B, 1)
         request = C.SampleRequest(request_id=7, batch_size=2, rank=0, agent_ids=["solver"], model_id=BASE_B)
         reply = svc.handle(C.unpack_message(C.pack_message(request)))
         assert isinstance(reply, C.SampleReply) and reply.request_id == 7 and reply.count == 2

@@ -28,6 +28,7 @@ from teamrl.protocol.control import (
     LatestWeightsRequest,
     SampleRequest,
     Shutdown,
+    VersionAnnounce,
 )
 from teamrl.protocol.curve import BUFFER_RPC_RIGHTS, generate_run_keys
 from teamrl.protocol.examples import example_trajectories
@@ -44,10 +45,11 @@ MESSAGES = {
     "latest_weights": LatestWeightsRequest(),  # not a buffer request at all
     "drain": Drain(reason="test"),
     "shutdown": Shutdown(reason="test"),
+    "announce": VersionAnnounce(version=0),
 }
 ALLOWED = {
     "rollout": {"hello_rollout", "heartbeat"},
-    "learner": {"sample", "stats"},
+    "learner": {"sample", "stats", "announce"},
     "admin": {"stats", "drain", "shutdown"},
 }
 

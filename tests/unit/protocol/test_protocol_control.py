@@ -86,6 +86,12 @@ STRATEGIES = {
         rank=st.integers(0, 1024),
         min_policy_version=st.integers(-1, 10**6),
     ),
+    C.VersionAnnounce: st.builds(
+        C.VersionAnnounce,
+        model_id=st.one_of(st.none(), ids),
+        version=seq,
+        agent_ids=st.lists(ids, max_size=4),
+    ),
     C.SampleReply: st.builds(
         C.SampleReply,
         request_id=seq,

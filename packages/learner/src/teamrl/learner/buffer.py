@@ -16,9 +16,12 @@ Design decisions:
   ``group_size == 1`` every episode is its own group.
 * **Staleness (SEED RL / IMPALA policy lag), per base model.** Each base model (step
   ``model_id``) has its own adapter-version sequence, so ``current_versions[model_id]`` is the
-  highest step ``policy_version`` seen on that base, raised by a learner's hint
+  version that base's learner announced (``announce``; a learner announces before it publishes, so
+  a step or a hint above it is a false claim and refused: ``buffer_versions``, docs/security.md).
+  With ``versions_from_data`` (in-process use, older tests) it is instead the highest step
+  ``policy_version`` seen on that base, raised by a learner's hint
   ``min_policy_version + max_policy_lag`` for the request's ``model_id`` (a hint without one
-  raises every base). A trajectory's lag is the largest, over its bases, of that base's current
+  raises every base). Only the ids the plan names are admitted (``buffer_ids``). A trajectory's lag is the largest, over its bases, of that base's current
   version minus its oldest step on that base; past ``max_policy_lag`` it is refused at admission
   (``drop``) or kept with weight ``stale_decay ** (lag - max_policy_lag)`` (``downweight``). With
   one base this is the plain SEED RL rule. ``current_version`` (the highest of all) bounds the
@@ -68,11 +71,15 @@ import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
 # ``NAME as NAME``: re-exported, for the service, the tests and older callers that import it from here
+from teamrl.learner.buffer_claims import Request, check_frame, check_request
 from teamrl.learner.buffer_errors import CorruptStore as CorruptStore
-from teamrl.learner.buffer_errors import InvalidAgentId, InvalidView, VersionOutOfRange
+from teamrl.learner.buffer_errors import InvalidAgentId, InvalidView
 from teamrl.learner.buffer_errors import ReplayBufferError as ReplayBufferError
+from teamrl.learner.buffer_errors import UnknownId as UnknownId
+from teamrl.learner.buffer_errors import VersionOutOfRange as VersionOutOfRange
 from teamrl.learner.buffer_groups import PRIORITY_EPS as PRIORITY_EPS
 from teamrl.learner.buffer_groups import GroupOrder, HeldGroups, PendingGroups, fill
+from teamrl.learner.buffer_ids import KnownIds
 from teamrl.learner.buffer_items import Group, Item
 from teamrl.learner.buffer_ratelimit import RateLimiter
 from teamrl.learner.buffer_sources import Sources
@@ -83,9 +90,10 @@ from teamrl.learner.buffer_views import CONSUMED as CONSUMED
 from teamrl.learner.buffer_views import MAX_AGENT_ID_CHARS as MAX_AGENT_ID_CHARS
 from teamrl.learner.buffer_views import MAX_VIEW_AGENTS as MAX_VIEW_AGENTS
 from teamrl.learner.buffer_views import ROUND_WINDOW as ROUND_WINDOW
-from teamrl.learner.buffer_views import VIEW_SEP, Views, check_agent_ids, view_name
+from teamrl.learner.buffer_views import VIEW_SEP, Views, check_agent_ids
 from teamrl.learner.buffer_views import WHOLE as WHOLE
 from teamrl.learner.buffer_views import view_agents as view_agents
+from teamrl.learner.buffer_views import view_name as view_name
 from teamrl.protocol.codec import (
     TrajectoryBatch,
     TrajectoryRow,
@@ -168,6 +176,15 @@ def _rows(
     return TrajectoryBatch.from_trajectories(items).rows()
 
 
+def _check_args(sampler: str, stale_action: str, capacity: int, group_size: int, max_pending: int) -> None:
+    if sampler not in ("fifo", "uniform", "prioritized"):
+        raise ValueError(f"sampler must be fifo, uniform or prioritized, got {sampler!r}")
+    if stale_action not in ("drop", "downweight"):
+        raise ValueError(f"stale_action must be drop or downweight, got {stale_action!r}")
+    if capacity < 1 or group_size < 1 or max_pending < 1:
+        raise ValueError("capacity, group_size and max_pending_groups must be >= 1")
+
+
 class ReplayBuffer:
     """Admission, groups, rate limiting and sampling; plain arguments (see ``BufferConfig``).
 
@@ -201,17 +218,18 @@ class ReplayBuffer:
         group_timeout_s: float = 120.0,
         max_pending_groups: int = 10_000,
         version_window: int | None = 10_000,
+        model_ids: Iterable[str] = (),
+        agent_ids: Iterable[str] = (),
+        versions_from_data: bool = False,
     ) -> None:
-        if sampler not in ("fifo", "uniform", "prioritized"):
-            raise ValueError(f"sampler must be fifo, uniform or prioritized, got {sampler!r}")
-        if stale_action not in ("drop", "downweight"):
-            raise ValueError(f"stale_action must be drop or downweight, got {stale_action!r}")
-        if capacity < 1 or group_size < 1 or max_pending_groups < 1:
-            raise ValueError("capacity, group_size and max_pending_groups must be >= 1")
+        _check_args(sampler, stale_action, capacity, group_size, max_pending_groups)
         self.capacity = capacity
         self.sampler = sampler
         self.group_size = group_size
-        self.versions = PolicyVersions(max_policy_lag, stale_action, stale_decay, version_window)
+        self.versions = PolicyVersions(
+            max_policy_lag, stale_action, stale_decay, version_window, versions_from_data
+        )
+        self.ids = KnownIds(model_ids, agent_ids)
         self.limiter = RateLimiter(min_size, samples_per_insert, error_buffer)
         self._order = GroupOrder(sampler, priority_exponent, importance_exponent, seed)
         self._pending = PendingGroups(group_size, group_timeout_s, max_pending_groups)
@@ -243,7 +261,7 @@ class ReplayBuffer:
 
     @property
     def current_version(self) -> int:
-        """The highest version of any base (steps and hints)."""
+        """The highest version of any base (announced; ``versions_from_data``: steps and hints)."""
         return self.versions.current
 
     @property
@@ -300,6 +318,22 @@ class ReplayBuffer:
         self.evicted[reason] += n
         EVICTED.labels(reason=reason).inc(n)
 
+    # --- versions -----------------------------------------------------------------------------
+
+    def announce(self, model_id: str | None, version: int, agent_ids: Iterable[str] = ()) -> bool:
+        """A learner published ``version`` of base ``model_id`` (None: every base) for ``agent_ids``, the one
+        source of versions (``buffer_versions``); True when it moved. Refusals counted, nothing changes."""
+        agents = list(agent_ids)
+        try:
+            check_agent_ids(agents)
+            self.ids.learn(model_id, agents, commit=False)  # raises before anything changes
+            moved = self.versions.announce(model_id, version)
+        except (VersionOutOfRange, InvalidAgentId, UnknownId) as e:
+            self.count_rejected(e.reason)
+            raise
+        self.ids.learn(model_id, agents)
+        return moved
+
     # --- insert -------------------------------------------------------------------------------
 
     def insert(
@@ -313,11 +347,11 @@ class ReplayBuffer:
         trajectories. ``source`` = (incarnation, seq) of the frame; a source seen before is a
         duplicate and changes nothing. ``now`` is monotonic seconds (group ages)."""
         rows = _rows(trajectories)
-        self._check_frame(rows)  # before any state changes: a refused frame is not recorded as seen
+        models = [r.versions_per_model() for r in rows]
+        self._check_frame(rows, models)  # before any state changes: a refused frame is not recorded as seen
         if source is not None and not self._sources.first_delivery(*source):
             self.count_duplicates(1)
             return InsertResult([], duplicate=True)
-        models = [r.versions_per_model() for r in rows]
         for r, per_model in zip(rows, models, strict=True):
             self.versions.observe(r.versions(-1)[1], per_model)
         res = InsertResult([])
@@ -336,13 +370,11 @@ class ReplayBuffer:
                 self._release(g, timed_out=timed_out)
         return res
 
-    def _check_frame(self, rows: list[TrajectoryRow]) -> None:
-        """Count and raise ``VersionOutOfRange`` (a step above ``version_ceiling()``) or
-        ``InvalidAgentId`` (an agent id no control message or view name can carry)."""
+    def _check_frame(self, rows: list[TrajectoryRow], models: list[dict[str, tuple[int, int]]]) -> None:
+        """``buffer_claims.check_frame``, its refusal counted."""
         try:
-            self.versions.check(max((r.versions(-1)[1] for r in rows), default=-1), "policy version")
-            check_agent_ids(a for r in rows for a in r.steps_per_agent())
-        except (VersionOutOfRange, InvalidAgentId) as e:
+            check_frame(rows, models, self.versions, self.ids)
+        except (VersionOutOfRange, InvalidAgentId, UnknownId) as e:
             self.count_rejected(e.reason)
             raise
 
@@ -384,18 +416,14 @@ class ReplayBuffer:
         trusted: bool = False,
     ) -> Sample | Refused:
         """Hand out whole groups, about ``batch_size`` trajectories (see the module docstring).
-
-        ``agent_ids`` (or the one ``agent_id``) picks the view: the groups' items in which any of
-        them acted; None: whole trajectories. ``model_id`` is the base whose versions
-        ``min_policy_version`` counts in and whose staleness alone is judged (a base no data named
-        yet is added only by a ``trusted`` hint); None: every base's, against
-        ``current_version``. A malformed agent list raises ``InvalidView``, an untrusted
-        ``min_policy_version`` above ``version_ceiling()`` raises ``VersionOutOfRange``, both
-        counted, before anything changes; ``trusted`` (a learner authenticated by its key) skips
-        the window, so its hint is the announcement the window is measured from."""
+        ``agent_ids`` (or the one ``agent_id``) picks the view (None: whole trajectories);
+        ``model_id`` the base whose versions ``min_policy_version`` counts in and whose staleness
+        alone is judged (None: every base's, against ``current_version``). A bad request raises
+        (``buffer_claims.check_request``), counted, before anything changes; ``trusted`` (the
+        learner's key) matters only ``versions_from_data``: its hint then skips the window."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        view = self._checked_view(agent_id, agent_ids, min_policy_version, trusted)
+        view = self._checked_view(Request(rank, agent_id, agent_ids, model_id, min_policy_version), trusted)
         self.versions.take_hint(model_id, min_policy_version, trusted)
         self._drop_stale(view, model_id, min_policy_version)
         if self.size < self.limiter.min_size:
@@ -428,19 +456,13 @@ class ReplayBuffer:
         BUFFER_SIZE.set(self.size)
         return out
 
-    def _checked_view(
-        self, agent_id: str | None, agent_ids: Iterable[str] | None, min_policy_version: int, trusted: bool
-    ) -> str:
-        """The request's view name; a malformed agent list (``InvalidView``) or an untrusted hint above
-        the version window (``VersionOutOfRange``) is counted and raised before anything changes."""
+    def _checked_view(self, req: Request, trusted: bool) -> str:
+        """``buffer_claims.check_request``, its refusal counted; the request's view name."""
         try:
-            view = view_name(agent_id, agent_ids)
-            if not trusted:
-                self.versions.check(min_policy_version, "min_policy_version")
-        except (InvalidView, VersionOutOfRange) as e:
+            return check_request(req, trusted, self.versions, self.ids, self._views.rounds)
+        except (InvalidView, VersionOutOfRange, UnknownId) as e:
             self.count_rejected(e.reason)
             raise
-        return view
 
     def _drop_stale(self, view: str, model_id: str | None, min_policy_version: int) -> None:
         """What the request finds stale goes (``PolicyVersions.sweep``), counted as stale evictions."""

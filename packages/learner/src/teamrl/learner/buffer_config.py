@@ -85,9 +85,20 @@ class BufferConfig(BaseModel):
     policy_version_window: int | None = Field(
         10_000,
         ge=1,
-        description="A frame's policy version, or an unauthenticated sample's min_policy_version, more than "
-        "this far above the buffer's current version is refused (policy_version_out_of_range) and never "
-        "stored; a learner authenticated by its CURVE key is exempt. None = no bound.",
+        description="A frame's policy version, a sample's min_policy_version, or a learner's announced "
+        "version more than this far above the buffer's current version is refused "
+        "(policy_version_out_of_range) and never stored, whoever sends it. None = no bound.",
+    )
+    model_ids: list[str] = Field(
+        default_factory=list,
+        description="Base model ids the run's plan names (teamrl run fills them); data, requests and "
+        "announcements naming another are refused (unknown_model_id). Empty: learnt from learners' "
+        "announcements (docs/security.md).",
+    )
+    agent_ids: list[str] = Field(
+        default_factory=list,
+        description="Agent ids the run's plan names (teamrl run fills them); others are refused "
+        "(unknown_agent_id). Empty: learnt from learners' announcements.",
     )
     admin_bind: str | None = Field(
         None,
@@ -179,6 +190,8 @@ class BufferConfig(BaseModel):
             "group_timeout_s": self.group_timeout_s,
             "max_pending_groups": self.max_pending_groups,
             "version_window": self.policy_version_window,
+            "model_ids": list(self.model_ids),
+            "agent_ids": list(self.agent_ids),
         }
 
 

@@ -22,6 +22,24 @@ class VersionOutOfRange(ReplayBufferError):
     reason = "policy_version_out_of_range"
 
 
+class VersionUnpublished(VersionOutOfRange):
+    """A frame's step, or a sample's ``min_policy_version``, claims a policy version above the one its
+    base's learner announced: no honest rollout samples from weights not yet published (the learner
+    announces before it publishes). Refused, counted, nothing changes (docs/security.md)."""
+
+    reason = "policy_version_unpublished"
+
+
+class UnknownId(ReplayBufferError):
+    """A frame, request or announcement names a model id or agent id the run's plan does not (or,
+    without a plan, no learner announced): refused and counted under ``reason``
+    (``unknown_model_id`` or ``unknown_agent_id``), nothing changes, nothing keyed by it is kept."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class InvalidAgentId(ReplayBufferError):
     """A step's agent id is empty, longer than ``MAX_AGENT_ID_CHARS``, or holds ``VIEW_SEP``: no
     control message could name it (one such frame made every later BufferStats reply fail its
@@ -37,3 +55,10 @@ class InvalidView(ReplayBufferError):
     counted before anything changes."""
 
     reason = "invalid_agent_ids"
+
+
+class ViewLimit(InvalidView):
+    """A sample request would open a view past ``MAX_VIEWS`` or a rank past ``MAX_RANKS``: the rank
+    rounds are kept per (view, rank), keyed by what requests say, so both are bounded."""
+
+    reason = "view_limit"

@@ -25,9 +25,12 @@ authorised by the role of the key it came with (``teamrl.protocol.curve.BUFFER_R
 Hello/Heartbeat, learner SampleRequest/BufferStatsRequest, admin BufferStatsRequest/Drain/Shutdown);
 anything else is refused as ``not_authorised``, counted the same way, logged at most once per role
 and message type every ``AUTH_LOG_S``, and the loop keeps serving. Without CURVE roles cannot be
-told apart, so only the Drain/Shutdown rule holds. A frame's policy version, or a sample's
-``min_policy_version`` from anyone but the CURVE ``learner`` key, more than ``policy_version_window``
-above the current version is refused (``policy_version_out_of_range``), counted, and not stored.
+told apart, so only the Drain/Shutdown rule holds. Versions come from ``VersionAnnounce`` alone (the
+``learner`` key's, under CURVE): a frame's step or a sample's ``min_policy_version`` above its base's
+announced version is refused (``policy_version_unpublished``), and anything more than
+``policy_version_window`` above the current version (``policy_version_out_of_range``), counted, and not
+stored, whoever sends it; model and agent ids the plan does not name are refused the same way
+(``unknown_model_id``, ``unknown_agent_id``; docs/security.md).
 A ``SampleRequest``'s ``agent_ids`` and ``model_id`` pick a learner group's view and base model
 (docs/architecture.md, "The replay buffer"); an empty ``agent_ids`` list, or ids no step can carry,
 is refused as ``invalid_agent_ids`` and counted.
@@ -56,6 +59,7 @@ from teamrl.learner.buffer import (
     InvalidView,
     Refused,
     ReplayBuffer,
+    UnknownId,
     VersionOutOfRange,
 )
 from teamrl.learner.buffer_config import BufferConfig
@@ -76,6 +80,7 @@ from teamrl.protocol.control import (
     SampleReply,
     SampleRequest,
     Shutdown,
+    VersionAnnounce,
     _Message,
 )
 from teamrl.protocol.curve import BUFFER_RPC_RIGHTS, key_roles
@@ -168,6 +173,8 @@ class BufferService:
             return self._sample(msg)
         if isinstance(msg, BufferStatsRequest):
             return self.stats()
+        if isinstance(msg, VersionAnnounce):
+            return self._announce(msg)
         if isinstance(msg, Hello):
             known = msg.incarnation in self.producers
             self._remember(msg.incarnation, {"service": msg.service, "last_seen": time.time(), "beats": 0})
@@ -228,6 +235,15 @@ class BufferService:
             request_id=getattr(msg, "request_id", -1), reason=reason, message=f"{msg.type}: {what}"
         )
 
+    def _announce(self, msg: VersionAnnounce) -> _Message:
+        try:
+            moved = self.buffer.announce(msg.model_id, msg.version, msg.agent_ids)
+        except (VersionOutOfRange, InvalidAgentId, UnknownId) as e:  # counted by the buffer
+            log.warning("version announcement refused: %s", e)
+            return ErrorReply(reason=e.reason, message=str(e))
+        self.dirty = self.dirty or moved
+        return self.stats()
+
     def _sample(self, req: SampleRequest) -> _Message:
         try:
             out = self.buffer.sample(
@@ -239,7 +255,7 @@ class BufferService:
                 min_policy_version=req.min_policy_version,
                 trusted=self._peer_role() == "learner",
             )
-        except (VersionOutOfRange, InvalidView) as e:  # counted by the buffer; nothing changed
+        except (VersionOutOfRange, InvalidView, UnknownId) as e:  # counted by the buffer; nothing changed
             log.warning("sample request %d refused: %s", req.request_id, e)
             return ErrorReply(request_id=req.request_id, reason=e.reason, message=str(e))
         self.dirty = True  # evictions and version hints change state even when refused
@@ -279,7 +295,7 @@ class BufferService:
             return
         try:
             res = self.buffer.insert(trajectories, source=(frame.incarnation, frame.seq), now=now)
-        except (VersionOutOfRange, InvalidAgentId) as e:  # counted by the buffer; refused, never stored
+        except (VersionOutOfRange, InvalidAgentId, UnknownId) as e:  # counted; refused, never stored
             log.warning("refused frame %s/%d: %s", frame.incarnation, frame.seq, e)
             self.receiver.reject(frame, e.reason)
             return

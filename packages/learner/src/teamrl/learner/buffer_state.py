@@ -29,6 +29,7 @@ def buffer_state(buf: Any, now: float) -> dict[str, Any]:
         "format": STATE_FORMAT,
         "next_key": buf.next_key,
         **buf.versions.state(),
+        **buf.ids.state(),
         "serial": buf._held.serial,
         "counters": {
             "inserted": buf.inserted,
@@ -71,6 +72,7 @@ def load_buffer_state(
         buf._pending.groups[entry["group_id"]] = _pending_group(entry, trajectories, now)
     buf._order.rng.bit_generator.state = state["rng"]
     buf.versions.load(state, [*buf._held.groups.values(), *buf._pending.groups.values()])
+    buf.ids.load(state)
 
 
 def _held_entry(g: Group) -> dict[str, Any]:

@@ -1,6 +1,15 @@
 """The replay buffer's policy versions, one sequence per base model, and the staleness judged
 against them (``teamrl.learner.buffer``'s module docstring, "Staleness"; docs/architecture.md,
-"The replay buffer").
+"The replay buffer"; docs/security.md, "Versions").
+
+A version has one source: the learner of its base, which announces each version (``VersionAnnounce``)
+before it publishes the adapters to rollouts. So by default (``from_data`` False) nothing else moves a
+version: a frame's steps and a sample's ``min_policy_version`` are *claims*, checked against the
+announced version and refused above it, whoever sends them (the CURVE ``learner`` key included). An
+announcement itself may move a base forward by at most ``version_window`` (so not to 2**62 even
+with the learner's key) and never backwards; the checkpoint holds only announced versions. With
+``from_data`` (in-process use and older tests) versions rise with admitted steps and learners'
+hints as they used to.
 """
 
 from __future__ import annotations
@@ -9,16 +18,17 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from teamrl.learner.buffer_errors import VersionOutOfRange
+from teamrl.learner.buffer_errors import VersionOutOfRange, VersionUnpublished
 from teamrl.learner.buffer_groups import HeldGroups
 from teamrl.learner.buffer_items import Group, Item
 from teamrl.learner.buffer_views import Views
 
 
 class PolicyVersions:
-    """The current version of every base, raised by admitted steps and by learners' hints, and the
-    lag rule (SEED RL / IMPALA policy lag) with ``max_policy_lag``, ``stale_action`` and
-    ``stale_decay``. ``current`` (the highest of all) bounds the ``version_window``."""
+    """The current version of every base and the lag rule (SEED RL / IMPALA policy lag) with
+    ``max_policy_lag``, ``stale_action`` and ``stale_decay``. ``current`` (the highest of all) bounds
+    the ``version_window``. Versions come from ``announce`` (or, ``from_data``, also from admitted
+    steps and hints: see the module docstring)."""
 
     def __init__(
         self,
@@ -26,14 +36,16 @@ class PolicyVersions:
         stale_action: Literal["drop", "downweight"],
         stale_decay: float,
         version_window: int | None,
+        from_data: bool = False,
     ) -> None:
         self.max_policy_lag = max_policy_lag
         self.stale_action = stale_action
         self.stale_decay = stale_decay
         self.version_window = version_window
-        self.current = -1  # highest version of any base (steps and hints)
+        self.from_data = from_data
+        self.current = -1  # highest version of any base
         self.per_base: dict[str, int] = {}  # base model id -> its current version
-        self.hint = -1  # highest hint without model_id: raises every base, known or not
+        self.hint = -1  # announced (or, from_data, hinted) without model_id: every base's, known or not
 
     def of(self, model_id: str) -> int:
         """The version staleness on base ``model_id`` is judged against (-1: nothing known)."""
@@ -53,15 +65,67 @@ class PolicyVersions:
                 f"above the current version {self.current}"
             )
 
+    def announced(self, model_id: str | None) -> bool:
+        """Whether a learner announced a version of base ``model_id`` (None: of any base)."""
+        if model_id is None:
+            return self.current >= 0 and not self.from_data
+        return not self.from_data and (model_id in self.per_base or self.hint >= 0)
+
+    def check_claims(self, models: Iterable[Mapping[str, tuple[int, int]]]) -> None:
+        """Raise ``VersionUnpublished`` for a step above its base's announced version (bases no learner
+        announced yet are judged by ``check`` alone)."""
+        for per_model in models:
+            for m, (_, top) in per_model.items():
+                if self.announced(m) and top > self.of(m):
+                    raise VersionUnpublished(
+                        f"a step on base {m!r} claims policy version {top}; its learner announced {self.of(m)}"
+                    )
+
+    def check_hint(self, model_id: str | None, min_policy_version: int) -> None:
+        """Raise ``VersionUnpublished`` for a sample's ``min_policy_version`` above the version announced
+        for ``model_id`` (None: the highest announced); nothing announced: ``check`` alone judges."""
+        if self.from_data or min_policy_version <= 0 or not self.announced(model_id):
+            return
+        top = self.current if model_id is None else self.of(model_id)
+        if min_policy_version > top:
+            raise VersionUnpublished(
+                f"min_policy_version {min_policy_version} is above the announced version {top}"
+                + (f" of base {model_id!r}" if model_id is not None else "")
+            )
+
+    def announce(self, model_id: str | None, version: int) -> bool:
+        """Base ``model_id`` (None: every base) is published at ``version``: at most ``version_window``
+        above what it was (else ``VersionOutOfRange``), never backwards. True when it moved."""
+        was = self.hint if model_id is None else self.of(model_id)
+        if self.version_window is not None and version > max(was, 0) + self.version_window:
+            raise VersionOutOfRange(
+                f"announced version {version} is more than version_window={self.version_window} "
+                f"above the announced {was}"
+            )
+        if version <= was and (model_id is None or model_id in self.per_base):
+            return False
+        self.current = max(self.current, version)
+        if model_id is None:
+            self.hint = max(self.hint, version)
+            self.per_base = {m: max(v, version) for m, v in self.per_base.items()}
+        else:
+            self.per_base[model_id] = max(was, version)
+        return True
+
     def observe(self, top: int, models: Mapping[str, tuple[int, int]]) -> None:
-        """A trajectory arrived: ``top`` its newest step's version, ``models`` its (min, max) per base."""
+        """A trajectory arrived: ``top`` its newest step's version, ``models`` its (min, max) per base.
+        Moves versions only ``from_data``."""
+        if not self.from_data:
+            return
         self.current = max(self.current, top)
         for m, (_, top_m) in models.items():
             self.per_base[m] = max(self.of(m), top_m)
 
     def take_hint(self, model_id: str | None, min_policy_version: int, trusted: bool) -> None:
-        """A learner's ``min_policy_version`` raises the current version (of its base, or of all)."""
-        if min_policy_version < 0 or self.max_policy_lag is None:
+        """``from_data`` only: a learner's ``min_policy_version`` raises the current version (of its
+        base, or of all). Otherwise a hint moves nothing: ``check_hint`` bounded it by the announced
+        version, and it only says which data the request finds too old."""
+        if not self.from_data or min_policy_version < 0 or self.max_policy_lag is None:
             return
         hint = min_policy_version + self.max_policy_lag
         self.current = max(self.current, hint)

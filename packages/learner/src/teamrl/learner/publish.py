@@ -5,18 +5,22 @@
 PUB socket and its "latest" endpoint: inline chunks of a deterministic tar or the folder's URI, the
 sha256 of the bytes as they travel, and one probe per adapter (prompt, completion, this learner's
 log-probs of it, within :func:`probe_atol`) that a rollout reproduces before it uses the version.
-The last 8 version folders are kept. LangMARL profile versions go out on the same sockets.
+The last 8 version folders are kept. LangMARL profile versions go out on the same sockets. Before a
+version goes out, :func:`announce_version` tells the replay buffer (docs/security.md, "Versions").
 docs/architecture.md §8 ("WeightsPublished and the hot-load") describes the message and its checks.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from teamrl.learner import metrics as M
+
+log = logging.getLogger("teamrl.learner")
 
 # bfloat16's machine epsilon (torch.finfo(torch.bfloat16).eps = 2**-7): 8 significand bits, so a
 # value is stored to within half of it relative to itself.
@@ -39,12 +43,15 @@ def probe_atol(dtype: str) -> float:
 class AdapterPublisher:
     """Exports and announces adapter versions (and profile versions) on a ``WeightsPublisher``."""
 
-    def __init__(self, socket: Any, engine: Any, cfg: Any, run_dir: Path, model: str) -> None:
+    def __init__(
+        self, socket: Any, engine: Any, cfg: Any, run_dir: Path, model: str, timeline: Any = None
+    ) -> None:
         self.socket = socket  # teamrl.protocol.zmq_transport.WeightsPublisher: PUB + "latest"
         self.engine = engine  # LearnerEngine: exports the adapters and computes the probes
         self.cfg = cfg  # LearnerConfig: adapters, probe tokens, publish mode and sizes
         self.run_dir = run_dir
         self.model = model
+        self.timeline = timeline  # teamrl.protocol.timeline.Timeline: export, then publish
 
     def publish(self, version: int, *, final: bool) -> dict[str, float]:
         """Export the adapters as ``version`` and announce them; the step's publish metrics."""
@@ -52,14 +59,20 @@ class AdapterPublisher:
 
         t0 = time.perf_counter()
         folder = self.run_dir / "adapters" / f"v{version}"
+        self._enter("export")
         dirs = self.engine.export_adapters(folder)
         size = sum((d / f).stat().st_size for d in dirs.values() for f in ADAPTER_FILES)
+        self._enter("publish")
         self.socket.publish(self._message(version, final, folder, dirs, size))
         dt = time.perf_counter() - t0
         M.PUBLISH_SECONDS.observe(dt)
         M.VERSION.set(version)
         self._prune_adapters()
         return {"publish_seconds": dt, "payload_bytes": float(size)}
+
+    def _enter(self, state: str) -> None:
+        if self.timeline is not None:
+            self.timeline.enter(state)
 
     def _message(self, version: int, final: bool, folder: Path, dirs: dict[str, Path], size: int) -> Any:
         """The ``WeightsPublished`` of the exported ``dirs``: where they are, their digest, probes."""
@@ -112,3 +125,21 @@ class AdapterPublisher:
     def close(self) -> None:
         time.sleep(0.2)  # let the last announcement leave
         self.socket.close()
+
+
+def announce_version(rpc: Any, model_id: str | None, agent_ids: list[str], version: int) -> bool:
+    """``VersionAnnounce`` to the replay buffer over ``rpc`` (an ``RpcClient``): base ``model_id`` (None:
+    every base) is published at ``version`` for ``agent_ids``. The buffer's only source of versions
+    (docs/security.md), so the learner sends it *before* ``WeightsPublished``. True when the buffer
+    answered (a refusal is logged: the buffer counted it); False when it did not (ask again)."""
+    from teamrl.protocol.control import ErrorReply, VersionAnnounce
+    from teamrl.protocol.errors import PeerTimeout
+
+    try:
+        reply = rpc.call(VersionAnnounce(model_id=model_id, version=version, agent_ids=agent_ids))
+    except PeerTimeout:
+        log.warning("the buffer did not answer version %d's announcement; asking again later", version)
+        return False
+    if isinstance(reply, ErrorReply):
+        log.error("the buffer refused version %d (%s): %s", version, reply.reason, reply.message)
+    return True

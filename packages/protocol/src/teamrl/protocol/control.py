@@ -253,6 +253,18 @@ class SampleRequest(_Message):
         return self
 
 
+class VersionAnnounce(_Message):
+    """Learner (the rank that publishes) -> replay buffer (RPC), before each ``WeightsPublished`` and
+    once at start: base ``model_id`` (None: every base; a one-base team's learner) is published at
+    ``version``, trained for ``agent_ids``. The only source of the buffer's versions: frames and sample
+    hints above an announced version are refused (docs/security.md). Replied with ``BufferStats``."""
+
+    type: Literal["version_announce"] = "version_announce"
+    model_id: Id | None = None
+    version: NonNeg
+    agent_ids: Annotated[list[Id], Field(max_length=MAX_SAMPLE_AGENTS)] = []
+
+
 class SampleReply(_Message):
     """Replay buffer -> learner rank (RPC reply): the sampled trajectories, an Arrow IPC stream.
 
@@ -314,6 +326,7 @@ ControlMessage = Annotated[
     | BufferStatsRequest
     | BufferStats
     | SampleRequest
+    | VersionAnnounce
     | SampleReply
     | ErrorReply,
     Field(discriminator="type"),
@@ -331,6 +344,7 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (
     BufferStatsRequest,
     BufferStats,
     SampleRequest,
+    VersionAnnounce,
     SampleReply,
     ErrorReply,
 )

@@ -12,13 +12,13 @@ Who may connect (the ZAP allow-list each server socket gets; README, "Security")
 * buffer data (trajectories in): ``rollout``
 * buffer RPC (sample, stats, hello/heartbeat, drain/shutdown): ``learner``, ``rollout``, ``admin``;
   the buffer then authorises by role (``role_of``): only ``admin`` may drain or stop it, and only
-  ``learner`` samples move the policy version beyond the configured window
+  ``learner`` announces policy versions (``VersionAnnounce``; docs/security.md)
 * learner weights PUB and "latest": ``rollout``, ``admin``
 
 What each role may then ask the buffer's RPC socket (``BUFFER_RPC_RIGHTS``, by message ``type``;
 the buffer refuses anything else as ``not_authorised``, or ``not_admin`` for ``Drain``/``Shutdown``):
-``rollout`` Hello (as ``service="rollout"``) and Heartbeat; ``learner`` SampleRequest and
-BufferStatsRequest; ``admin`` BufferStatsRequest, Drain and Shutdown. Without CURVE the buffer
+``rollout`` Hello (as ``service="rollout"``) and Heartbeat; ``learner`` SampleRequest,
+BufferStatsRequest and VersionAnnounce; ``admin`` BufferStatsRequest, Drain and Shutdown. Without CURVE the buffer
 cannot tell roles apart: every peer may send everything but Drain/Shutdown, which only the local
 admin socket accepts.
 
@@ -47,7 +47,7 @@ SERVER_ROLE = {"buffer_data": "buffer", "buffer_rpc": "buffer", "learner_weights
 # Per-message authorisation on the buffer's RPC socket: role -> the control message types it may send.
 BUFFER_RPC_RIGHTS: dict[str, frozenset[str]] = {
     "rollout": frozenset({"hello", "heartbeat"}),
-    "learner": frozenset({"sample_request", "buffer_stats_request"}),
+    "learner": frozenset({"sample_request", "buffer_stats_request", "version_announce"}),
     "admin": frozenset({"buffer_stats_request", "drain", "shutdown"}),
 }
 
