@@ -18,15 +18,14 @@ import pytest
 from teamrl.protocol.control import ProfilesPublished, pack_message, unpack_message
 from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
 from teamrl.rewards import profiles as P
+from teamrl.rewards.profile_answer import parse_profile_answer
+from teamrl.rewards.profile_learner import ProfileLearner, improve_profiles
+from teamrl.rewards.profile_store import ProfileStore
 from teamrl.rewards.profiles import (
-    ProfileLearner,
     ProfileNotFound,
     ProfilesRefused,
-    ProfileStore,
     ProfileStoreError,
     apply_profiles,
-    improve_profiles,
-    parse_profile_answer,
     profiles_sha256,
 )
 

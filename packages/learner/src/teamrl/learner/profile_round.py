@@ -1,6 +1,6 @@
 """LangMARL in the learner loop: agent profiles improved in language space, beside (or instead of) weights.
 
-Every ``interval`` learner steps, rank 0 runs one :func:`teamrl.rewards.profiles.improve_profiles`
+Every ``interval`` learner steps, rank 0 runs one :func:`teamrl.rewards.profile_learner.improve_profiles`
 round on the trajectories it just trained on: a judge model reads each agent's best and worst
 episodes with their credits and critiques and rewrites that agent's profile (system prompt). An
 accepted version is stored under ``<run-dir>/profiles`` (one JSON file per version, never deleted)
@@ -74,7 +74,7 @@ class ProfileRound:
         max_staleness: int | None = 2,
         fsync: bool = True,
     ) -> None:
-        from teamrl.rewards.profiles import ProfileStore
+        from teamrl.rewards.profile_store import ProfileStore
 
         if interval < 1:
             raise ValueError(f"profile interval must be >= 1, got {interval}")
@@ -100,7 +100,7 @@ class ProfileRound:
         Python trajectories are built here, only on the steps a round runs."""
         if step % self.interval or not sample:
             return None
-        from teamrl.rewards.profiles import improve_profiles
+        from teamrl.rewards.profile_learner import improve_profiles
 
         trajectories = trajectory_objects(sample)
 
