@@ -204,7 +204,12 @@ def resolved_config(
     several = len(team.bases) > 1
     first = next(iter(team.bases.values()))
     cfg = {
-        "buffer": _buffer_table(args, batch),
+        "buffer": {
+            **_buffer_table(args, batch),
+            # the ids a step may carry (docs/security.md): every model an agent runs on, every agent
+            "model_ids": list(team.model_dirs),
+            "agent_ids": [a.id for a in team.workflow.agents],
+        },
         "learner": {
             **({} if several else _base_learner_table(first, several)),  # several: in [groups.<id>]
             "batch_size": batch,

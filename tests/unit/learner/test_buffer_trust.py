@@ -186,3 +186,19 @@ def test_ranks_and_views_are_bounded(tmp_path: Path) -> None:
         assert isinstance(r, ErrorReply) and r.reason == "view_limit"
     finally:
         run.close()
+
+
+def test_a_runs_plan_names_the_buffers_ids(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "foundation"))
+    from test_team_plan import fake_model
+
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+
+    model = fake_model(tmp_path / "m")
+    args = parse_args(["--workflow", "addition-duo", "--model", str(model)], "teamrl run", None, "r")
+    buffer = plan(args).config["buffer"]
+    assert (buffer["model_ids"], sorted(buffer["agent_ids"])) == (["embedded-v1"], ["solver", "verifier"])
+    BufferConfig(**buffer)  # the service's own config model takes it
