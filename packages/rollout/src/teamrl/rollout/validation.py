@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from teamrl.rewards.outcome import EPISODE_REWARDS
 from teamrl.rollout.spec import (
@@ -36,26 +36,30 @@ from teamrl.rollout.views import OUTPUT_VIEWS
 _TEMPLATE_ROOTS = {"task", "out", "parents", "profile", "turn"}
 
 
-def check_workflow(
-    name: str,
-    *,
-    models: Mapping[str, ModelSpec],
-    adapters: Mapping[str, AdapterSpec],
-    agents: Sequence[AgentSpec],
-    graph: GraphSpec,
-    tools: Mapping[str, Mapping[str, Any]],
-    reward: RewardSpec | None,
-    credit: CreditSpec,
-) -> None:
-    """Every cross-reference of workflow ``name``'s parts, in the order a reader checks them; the
-    first problem raises."""
+class WorkflowParts(Protocol):
+    """What the checks read of a workflow (:class:`teamrl.rollout.workflow.Workflow` is one)."""
+
+    name: str
+    models: dict[str, ModelSpec]
+    adapters: dict[str, AdapterSpec]
+    agents: list[AgentSpec]
+    graph: GraphSpec
+    tools: dict[str, dict[str, Any]]
+    reward: RewardSpec | None
+    credit: CreditSpec
+
+
+def check_workflow(wf: WorkflowParts) -> None:
+    """Every cross-reference of a workflow's parts, in the order a reader checks them; the first
+    problem raises."""
+    name, agents, graph = wf.name, wf.agents, wf.graph
     _validate_agent_ids(name, agents)
     for a in agents:
-        _validate_agent(name, a, models, adapters, tools)
-    _validate_tables(name, adapters, models, tools)
+        _validate_agent(name, a, wf.models, wf.adapters, wf.tools)
+    _validate_tables(name, wf.adapters, wf.models, wf.tools)
     agent_ids = {a.id for a in agents}
-    _validate_credit(name, credit, models, agent_ids)
-    _validate_reward(name, reward, agent_ids)
+    _validate_credit(name, wf.credit, wf.models, agent_ids)
+    _validate_reward(name, wf.reward, agent_ids)
     if graph.kind == "static":
         _validate_static(name, graph, agents)
     else:

@@ -92,16 +92,7 @@ class Workflow(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> Workflow:
-        check_workflow(
-            self.name,
-            models=self.models,
-            adapters=self.adapters,
-            agents=self.agents,
-            graph=self.graph,
-            tools=self.tools,
-            reward=self.reward,
-            credit=self.credit,
-        )
+        check_workflow(self)
         return self
 
     # ------------------------------------------------------------------ lookup
