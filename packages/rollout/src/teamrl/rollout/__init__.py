@@ -5,8 +5,10 @@ built from the parts in ``spec.py``, checked by ``validation.py``, whose agents 
 through ``views.py``; ``executor.py`` runs episodes (``run_episode``; pure Python, no vLLM import);
 the rewards that score them are ``teamrl.rewards.outcome``; ``workflows/`` holds the built-in
 workflows (``teamrl.rollout.workflows.load(name)``) and their task data; ``tools.py`` the Python and
-BM25 tools; ``engine.py`` wraps vLLM's async engine; ``service.py`` is the rollout process. Prompt tokenizers live
-in ``teamrl.rewards.tokenizer`` (the learner's judge and the model builders use them too) and are
+BM25 tools; ``engine.py`` wraps vLLM's async engine; ``service.py`` is the rollout process
+(``config.py`` its ``[rollout]`` table, ``sender.py`` its sender thread, ``probe_server.py`` its
+probes, ``cli.py`` the ``teamrl rollout`` command). Prompt tokenizers live in
+``teamrl.rewards.tokenizer`` (the learner's judge and the model builders use them too) and are
 re-exported here.
 """
 
