@@ -221,7 +221,11 @@ def plan_services(
     nothing is written."""
     groups = groups or [""]
     cfg_path = str(run_dir / "config.toml")
-    env = {"TEAMRL_RUN_T0": str(t0), "OMP_NUM_THREADS": str(args.threads_per_service)}
+    env = {
+        "TEAMRL_RUN_T0": str(t0),
+        "OMP_NUM_THREADS": str(args.threads_per_service),
+        "TEAMRL_TIMELINE": str(run_dir / "timeline.jsonl"),  # every service's states (teamrl show)
+    }
     logs = run_dir / "logs"
     ep = wiring.endpoint
     out = [

@@ -94,7 +94,7 @@ def test_report_of_a_run_folder(tmp_path, capsys):
     # Self-contained: no scripts, nothing fetched from anywhere.
     assert not [t for t, _ in tags if t in ("script", "link", "img", "iframe")]
     assert "http://" not in page.replace("http://www.w3.org", "") and "https://" not in page
-    # Curves: reward, per agent, grad norm, eval; each a drawn polyline.
+    # Curves: reward, per agent, grad norm, eval; each a drawn line (matplotlib: a group curve-N).
     for title in (
         "Reward against learner steps",
         "Reward per agent",
@@ -102,7 +102,7 @@ def test_report_of_a_run_folder(tmp_path, capsys):
         "Held-out evaluation",
     ):
         assert title in page
-    assert sum(1 for t, _ in tags if t == "polyline") >= 6
+    assert sum(1 for t, a in tags if t == "g" and (a.get("id") or "").startswith("curve-")) >= 6
     # Episodes as graphs: the best and worst of the newest versions, one node per step, edges.
     loaded = show.load_run(run)
     best, worst, versions = show.pick_best_worst(loaded.samples, 3, 3)
@@ -274,3 +274,39 @@ def test_print_shows_the_newest_episodes_as_text(tmp_path, capsys):
     assert out.count("episode ") == 2 and "team reward" in out
     assert "-lora v40)" in out  # the newest file's policy version (file k=1 holds step 80 // 2 * 1)
     assert "<- read #0" in out  # a step that read an earlier one says so
+
+
+def _timeline(run: Path) -> None:
+    """A learner that waits for data 3 s of every 4, two rollouts always generating."""
+    recs = []
+    for k in range(10):
+        t = 100.0 + 4 * k
+        recs.append({"service": "learner", "replica": "0", "state": "sample_wait", "t0": t, "t1": t + 3})
+        recs.append(
+            {"service": "learner", "replica": "0", "state": "forward_backward", "t0": t + 3, "t1": t + 4}
+        )
+        for r in ("0", "1"):
+            recs.append({"service": "rollout", "replica": r, "state": "generating", "t0": t, "t1": t + 4})
+    (run / "timeline.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    (run / "buffer").mkdir()
+    stats = [{"time": 100.0 + 5 * k, "size": k % 3, "groups_pending": 1} for k in range(8)]
+    (run / "buffer" / "stats.jsonl").write_text("".join(json.dumps(x) + "\n" for x in stats))
+
+
+def test_timeline_lanes_and_busy_fractions(tmp_path):
+    run = make_run(tmp_path / "run", files=1)
+    _timeline(run)
+    assert show.main([str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "Where the time goes" in page
+    assert "learner-0 25% busy" in page and "rollout-0 100% busy" in page
+    assert "rollout-bound: the learner waited for data 75% of its time" in page
+    tags = parse(page)
+    assert sum(1 for t, a in tags if t == "g" and (a.get("id") or "").startswith("lane-")) >= 3
+    assert not [t for t, _ in tags if t in ("script", "link", "img", "iframe")]
+
+
+def test_no_timeline_is_not_a_problem(tmp_path):
+    run = make_run(tmp_path / "run", files=1)
+    assert show.main([str(run)]) == 0
+    assert "Where the time goes" not in (run / "report.html").read_text()

@@ -9,6 +9,7 @@
                    trajectories arrived (whole groups; refusals are waited out and counted)
                    -> LearnerEngine.train_step (advantages, objective, agent-by-agent update)
                    -> version + 1 -> export the LoRA adapters (PEFT safetensors) to DIR/adapters/vV
+                   -> VersionAnnounce to the buffer (its only source of versions: docs/security.md)
                    -> WeightsPublished (inline chunks or the folder URI, sha256 of the payload, a
                    probe: prompt, completion, and this learner's log-probs of it) on PUB + "latest"
                    (teamrl.learner.publish)
@@ -39,10 +40,16 @@ from teamrl.learner import metrics as M
 from teamrl.learner.config import LearnerConfig, LearnerConfigError, load_learner_config
 
 # BF16_EPS and probe_atol are re-exported: tests and benches import them from here
-from teamrl.learner.publish import BF16_EPS, AdapterPublisher, probe_atol  # noqa: F401
+from teamrl.learner.publish import BF16_EPS, AdapterPublisher, announce_version, probe_atol  # noqa: F401
 from teamrl.learner.resume import RunCheckpoints
 from teamrl.learner.step_metrics import gauge_step, observe_lags, sample_row
-from teamrl.protocol.config import TransportConfig
+from teamrl.protocol.config import (
+    TRANSPORT_EPILOG,
+    NoKeys,
+    TransportConfig,
+    add_insecure_flag,
+    transport_mode,
+)
 
 log = logging.getLogger("teamrl.learner")
 
@@ -237,9 +244,15 @@ class LearnerService:
     # --- publishing (teamrl.learner.publish) ---------------------------------------------------
 
     def publish(self) -> dict[str, float]:
-        """Export the adapters as version ``self.version`` and announce them (rank 0)."""
+        """Export the adapters as version ``self.version`` and announce them (rank 0): to the buffer
+        first, so no rollout can send data of a version the buffer has not heard of."""
         assert self.publisher is not None
+        self.announce()
         return self.publisher.publish(self.version, final=self.step >= self.cfg.max_steps)
+
+    def announce(self) -> None:
+        """Tell the buffer this base's version (``publish.announce_version``)."""
+        announce_version(self.rpc, self.cfg.group or None, list(self.cfg.group_agents), self.version)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -258,6 +271,8 @@ class LearnerService:
         t_begin = float(os.environ.get("TEAMRL_RUN_T0", time.time()))
         if self.publisher is not None and self.version > 0:
             self.publish()  # a resumed learner re-announces its version: rollouts may have restarted
+        elif self.publisher is not None:
+            self.announce()  # the buffer learns this base's version (and, without a plan, its ids)
         if self.publisher is not None and self.profiles is not None:
             latest = self.profiles.latest()
             if latest is not None and latest.version > 0:
@@ -383,8 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
         "adapters to rollouts, checkpoint. Restarted on the same --run-dir, it resumes.",
         epilog="Every training knob is a field of the [learner] table (teamrl.learner.config.LearnerConfig), "
         "settable with --set KEY=VALUE. Several ranks: launch with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
-        "set (torchrun, the deepspeed launcher, or a StatefulSet).",
+        "set (torchrun, the deepspeed launcher, or a StatefulSet). " + TRANSPORT_EPILOG,
     )
+    add_insecure_flag(p)
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with a [learner] table")
     p.add_argument(
         "--set", metavar="KEY=VALUE", action="append", default=[], help="override a [learner] field"
@@ -446,8 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_learner_config(args.config, args.set, group=args.group)
         transport = load_transport(args.config)
-    except LearnerConfigError as e:
-        print(f"teamrl learner: {e}", file=sys.stderr)
+        print(transport_mode("teamrl learner", transport, args.insecure), file=sys.stderr, flush=True)
+    except (LearnerConfigError, NoKeys) as e:
+        print(e if isinstance(e, NoKeys) else f"teamrl learner: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads > 0:
