@@ -71,7 +71,7 @@ def measure(n: int, window: float, logs: Path, threads: int, bind: str) -> dict:
     shares = core_shares(n) if bind == "split" else [{}] * n
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "teamrl.cli.main", "rollout", "--buffer", data, "--weights", weights,
+            [sys.executable, "-m", "teamrl.cli.main", "rollout", "--insecure", "--buffer", data, "--weights", weights,
              "--metrics-port", str(ports[i]), "--set", f"replica={i}", "--set", f"num_replicas={n}",
              "--set", "drain_timeout_s=0.0"],
             stdout=open(logs / f"n{n}-rollout{i}.log", "wb"), stderr=subprocess.STDOUT,

@@ -76,6 +76,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace, list[str]], int] | 
     "rollout": ("run one rollout service (vLLM actor) against a buffer", _delegate("teamrl.rollout.cli")),
     "buffer": ("run the replay buffer service", _delegate("teamrl.learner.buffer_service")),
     "learner": ("run a learner rank (DeepSpeed)", _delegate("teamrl.learner.service")),
+    "keys": (
+        "write a CURVE keypair per role into DIR and print the [transport] table that uses them",
+        _delegate("teamrl.protocol.curve", "keys_main"),
+    ),
     "model": ("build the embedded default model (`teamrl model build`), or print its path", _cmd_model),
     "eval": ("evaluate adapters on a workflow: avg@k and pass@k", _delegate("teamrl.cli.evaluate")),
     "reward": (

@@ -163,6 +163,12 @@ def transport_table(args: argparse.Namespace, run_dir: Path) -> dict[str, dict[s
     return {"transport": {"curve": True, "curve_dir": str(keys.resolve())}}
 
 
+def insecure_flag(args: argparse.Namespace) -> list[str]:
+    """``--insecure`` for a service of an ``--insecure`` run (its config has no keys, and a service
+    without keys refuses to start unless told); nothing otherwise."""
+    return ["--insecure"] if getattr(args, "insecure", False) else []
+
+
 @dataclass
 class Wiring:
     """Where this start's services meet: loopback ports picked fresh every start (state lives in the
@@ -228,11 +234,12 @@ def plan_services(
     }
     logs = run_dir / "logs"
     ep = wiring.endpoint
+    sec = insecure_flag(args)
     out = [
         Service(
             "buffer",
             ["buffer", "--config", cfg_path, "--dir", str(run_dir / "buffer"), "--bind", ep("data")]
-            + ["--sample-bind", ep("sample"), "--metrics-port", str(wiring.ports["metrics_buffer"])],
+            + ["--sample-bind", ep("sample"), "--metrics-port", str(wiring.ports["metrics_buffer"]), *sec],
             logs / "buffer.log",
             env,
         )
@@ -258,7 +265,7 @@ def plan_services(
             extra += ["--set", f'eval_file="{run_dir / "eval.jsonl"}"']
             extra += ["--set", f'samples_dir="{run_dir / "samples"}"']
         argv = ["rollout", "--config", cfg_path, "--buffer", ep("data"), *weights]
-        argv += ["--metrics-port", str(wiring.ports.get(f"metrics_rollout_{i}", 0)), *extra]
+        argv += ["--metrics-port", str(wiring.ports.get(f"metrics_rollout_{i}", 0)), *extra, *sec]
         out.append(Service(f"rollout-{i}", argv, logs / f"rollout-{i}.log", rollout_env[i]))
     return out
 
@@ -284,7 +291,7 @@ def _learner_group(
         argv = ["learner", "--config", cfg_path, "--buffer", wiring.endpoint("sample")]
         argv += ["--publish", wiring.endpoint(_named("publish", group))]
         argv += ["--run-dir", str(group_dir(run_dir, group)), "--threads", str(args.threads_per_service)]
-        argv += ["--metrics-port", str(metrics)] + (["--group", group] if group else [])
+        argv += ["--metrics-port", str(metrics), *insecure_flag(args)] + (["--group", group] if group else [])
         tb = group_dir(run_dir / "tensorboard", group)
         argv += ["--tensorboard", str(tb)] if args.tensorboard else []
         # the launcher owns its learners' rendezvous: one inherited from the caller's environment

@@ -58,7 +58,7 @@ class Buffer:
     def start(self) -> Buffer:
         cmd = [sys.executable, "-m", "teamrl.learner.buffer_service", "--config", str(self.config)]
         cmd += ["--bind", self.bind, "--sample-bind", self.sample_bind, "--dir", str(self.dir)]
-        cmd += ["--metrics-port", str(self.metrics_port)]
+        cmd += ["--metrics-port", str(self.metrics_port), "--insecure"]  # plaintext on loopback
         self.log = open(self.dir.parent / "buffer.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         # Wait for the port with plain TCP first: a ZeroMQ client dialling a closed port backs off

@@ -136,6 +136,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
             f"tcp://127.0.0.1:{sample}",
             "--metrics-port",
             "0",
+            "--insecure",
         ],
         stdout=open(logs / "buffer.log", "wb"),
         stderr=subprocess.STDOUT,
@@ -153,6 +154,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         f"tcp://127.0.0.1:{pub}",
         "--run-dir",
         str(run),
+        "--insecure",
     ]
     sender = ZmqDataSender(f"tcp://127.0.0.1:{data}", "test-producer")
     sub = WeightsSubscriber(f"tcp://127.0.0.1:{pub}", latest_endpoint_for(f"tcp://127.0.0.1:{pub}"))

@@ -28,7 +28,7 @@ def test_the_embedded_folder_is_used_when_built_and_named_when_not(tmp_path: Pat
 
 def test_the_command_refuses_before_starting_anything(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "teamrl.cli.main", "rollout", "--buffer", "tcp://127.0.0.1:9"]
+        [sys.executable, "-m", "teamrl.cli.main", "rollout", "--insecure", "--buffer", "tcp://127.0.0.1:9"]
         + ["--weights", "tcp://127.0.0.1:9", "--set", 'workflow="addition-duo"'],
         capture_output=True,
         text=True,

@@ -487,7 +487,8 @@ def test_two_bases_on_vllm_route_agents_and_follow_their_own_learner(
     )
     log = tmp_path / "rollout.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "teamrl.cli.main", "rollout", "--config", str(config), "--buffer", data_ep]
+        [sys.executable, "-m", "teamrl.cli.main", "rollout", "--insecure", "--config", str(config)]
+        + ["--buffer", data_ep]
         + ["--weights", f"embedded-v1={pub1}", "--weights", f"second={pub2}", "--metrics-port", str(mport)],
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,

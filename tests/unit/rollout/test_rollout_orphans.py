@@ -51,7 +51,7 @@ def _name(pid: int) -> str:
 
 def test_sigkilled_rollout_leaves_no_vllm_process(tmp_path: Path) -> None:
     log = tmp_path / "rollout.log"
-    argv = [sys.executable, "-m", "teamrl.cli.main", "rollout"]
+    argv = [sys.executable, "-m", "teamrl.cli.main", "rollout", "--insecure"]  # plaintext on loopback
     argv += ["--buffer", f"tcp://127.0.0.1:{_port()}", "--weights", f"tcp://127.0.0.1:{_port()}"]
     argv += ["--set", "workflow=addition-duo", "--set", "group_size=2", "--set", "groups_in_flight=1"]
     with open(log, "wb") as out:
@@ -94,7 +94,7 @@ def test_sigterm_with_the_buffer_gone_exits_within_drain_plus_flush(tmp_path: Pa
     # never comes, the case that used to ignore SIGTERM until the supervisor's SIGKILL
     drain_s, flush_s = 2.0, 3.0
     log = tmp_path / "rollout.log"
-    argv = [sys.executable, "-m", "teamrl.cli.main", "rollout"]
+    argv = [sys.executable, "-m", "teamrl.cli.main", "rollout", "--insecure"]  # plaintext on loopback
     argv += ["--buffer", f"tcp://127.0.0.1:{_port()}", "--weights", f"tcp://127.0.0.1:{_port()}"]
     argv += ["--set", "workflow=addition-duo", "--set", "group_size=2", "--set", "groups_in_flight=1"]
     argv += [

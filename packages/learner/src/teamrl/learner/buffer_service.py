@@ -66,7 +66,13 @@ from teamrl.learner.buffer_config import BufferConfig
 from teamrl.learner.buffer_segments import SegmentStore
 from teamrl.protocol import metrics as wire_metrics
 from teamrl.protocol.codec import decode_batches
-from teamrl.protocol.config import TransportConfig
+from teamrl.protocol.config import (
+    TRANSPORT_EPILOG,
+    NoKeys,
+    TransportConfig,
+    add_insecure_flag,
+    transport_mode,
+)
 from teamrl.protocol.configfile import ConfigError as SharedConfigError
 from teamrl.protocol.configfile import load_section
 from teamrl.protocol.control import (
@@ -415,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the replay buffer service: rollouts send trajectories to --bind (acked once "
         "durable), learner ranks sample from --sample-bind. State lives in --dir and survives kill -9.",
         epilog="Every other knob is a field of the [buffer] table (teamrl.learner.buffer_config.BufferConfig); "
-        "flags override the file.",
+        "flags override the file. " + TRANSPORT_EPILOG,
     )
+    add_insecure_flag(p)
     p.add_argument(
         "--config",
         metavar="FILE.toml",
@@ -464,9 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args)
         transport = load_transport(args)
+        mode = transport_mode("teamrl buffer", transport, args.insecure)
     except ConfigError as e:
         print(f"teamrl buffer: {e}", file=sys.stderr)
         return 2
+    except NoKeys as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(mode, file=sys.stderr, flush=True)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.metrics_port > 0:
         from prometheus_client import start_http_server

@@ -7,6 +7,7 @@ check that values agree and raise; nothing is copied between fields.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import zmq.auth
@@ -134,3 +135,41 @@ class TransportConfig(BaseModel):
             server_public=server_public,
             allowed_clients=frozenset(allowed),
         )
+
+
+# --- secure by default (docs/security.md) -----------------------------------------------------------
+
+TRANSPORT_EPILOG = (
+    "Security (docs/security.md): CURVE encryption and per-role keys come from the [transport] table of "
+    "--config (curve = true, curve_dir = DIR of <role>.pub/<role>.key). Make the keys with `teamrl keys DIR` "
+    "(a folder; prints the table to paste) or deploy/scripts/curve_secret.py (a Kubernetes Secret). "
+    "Without keys the service refuses to start unless --insecure is given."
+)
+
+
+class NoKeys(ValueError):
+    """A service was started without CURVE keys and without ``--insecure``."""
+
+
+def add_insecure_flag(parser: argparse.ArgumentParser) -> None:
+    """``--insecure``: the one way a service starts without CURVE keys."""
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="start without CURVE keys: every link plaintext, any peer that reaches the ports may send "
+        "data and requests (a trusted network only; docs/security.md)",
+    )
+
+
+def transport_mode(prog: str, transport: TransportConfig, insecure: bool) -> str:
+    """The one line a service says at start about its links. Without keys and without ``insecure`` it
+    raises ``NoKeys`` with the line that says why it will not start and what to do."""
+    if transport.curve:
+        keys = transport.curve_dir or transport.curve_secret_key
+        return f"{prog}: CURVE on every link, keys from {keys}"
+    if not insecure:
+        raise NoKeys(
+            f"{prog}: refusing to start without CURVE keys: set [transport] curve = true and curve_dir in "
+            "--config (make keys with `teamrl keys DIR`), or pass --insecure for plaintext links"
+        )
+    return f"{prog}: --insecure: plaintext links, no CURVE; any peer that reaches its ports is believed"

@@ -131,3 +131,21 @@ def key_roles(directory: Path) -> dict[str, str]:
     return {
         public_key(directory, role).decode(): role for role in ROLES if (directory / f"{role}.pub").exists()
     }
+
+
+def keys_main(argv: list[str] | None = None) -> int:
+    """``teamrl keys DIR``: a fresh keypair per role in ``DIR`` (0700, secret files 0600), then the
+    ``[transport]`` table that makes a service use them."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="teamrl keys",
+        description="Write a fresh CURVE keypair per role (buffer, learner, rollout, admin) into DIR and "
+        "print the [transport] table every service's --config needs to use them. For Kubernetes, "
+        "deploy/scripts/curve_secret.py prints the same keys as a Secret.",
+    )
+    p.add_argument("dir", metavar="DIR", help="folder to write (created; existing keys are replaced)")
+    args = p.parse_args(argv)
+    keys = generate_run_keys(args.dir).resolve()
+    print(f'[transport]\ncurve = true\ncurve_dir = "{keys}"')
+    return 0

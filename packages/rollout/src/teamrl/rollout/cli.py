@@ -14,7 +14,13 @@ import contextlib
 import logging
 import sys
 
-from teamrl.protocol.config import TransportConfig
+from teamrl.protocol.config import (
+    TRANSPORT_EPILOG,
+    NoKeys,
+    TransportConfig,
+    add_insecure_flag,
+    transport_mode,
+)
 from teamrl.rollout.config import (
     DEFAULT_WEIGHTS,
     RolloutConfig,
@@ -34,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "adapters, published as Arrow graph trajectories over ZeroMQ to the replay buffer; adapter "
         "versions from the learner are verified before use. SIGTERM drains without losing data.",
         epilog="Every knob is a field of the [rollout] table (teamrl.rollout.config.RolloutConfig), "
-        "settable with --set KEY=VALUE.",
+        "settable with --set KEY=VALUE. " + TRANSPORT_EPILOG,
     )
+    add_insecure_flag(p)
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with a [rollout] table")
     p.add_argument(
         "--set", metavar="KEY=VALUE", action="append", default=[], help="override a [rollout] field"
@@ -71,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg, transport = checked_config(args)
-    except RolloutConfigError as e:
-        print(f"teamrl rollout: {e}", file=sys.stderr)
+        print(transport_mode("teamrl rollout", transport, args.insecure), file=sys.stderr, flush=True)
+    except (RolloutConfigError, NoKeys) as e:
+        print(e if isinstance(e, NoKeys) else f"teamrl rollout: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     svc = RolloutService(
