@@ -87,10 +87,13 @@ class Timeline:
         return self._state
 
     def enter(self, state: str | None) -> str | None:
-        """Close the open interval and open ``state`` (None: no state); returns the previous state."""
+        """Close the open interval and open ``state`` (None: no state); returns the previous state.
+        The state already open: nothing happens (a loop may say its state every turn)."""
         with self._lock:
-            now = time.time()
             prev = self._state
+            if state == prev:
+                return prev
+            now = time.time()
             if prev is not None and now > self._t0:
                 self._record(prev, self._t0, now)
             self._state, self._t0 = state, now

@@ -36,6 +36,7 @@ class Sender(threading.Thread):
         self.lost = 0
         self.unacked = 0
         self.connected = threading.Event()
+        self.blocked = 0  # groups waiting in put_bounded for room in the queue (asyncio side)
 
     def run(self) -> None:
         """Send until stopped; then ``flush_timeout_s`` in all for the queued frames and their acks.
@@ -107,6 +108,10 @@ class Sender(threading.Thread):
         """Queue a frame once fewer than ``max_queued`` wait to be sent (backpressure: the group that
         finished waits, so no new group starts while the buffer cannot keep up). On stop it queues at
         once: the exit flush sends or counts it."""
-        while self.q.qsize() >= max_queued and not stopping() and self.is_alive():
-            await asyncio.sleep(0.05)
+        self.blocked += 1
+        try:
+            while self.q.qsize() >= max_queued and not stopping() and self.is_alive():
+                await asyncio.sleep(0.05)
+        finally:
+            self.blocked -= 1
         self.put(payload)

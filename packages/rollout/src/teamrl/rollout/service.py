@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from teamrl.protocol.config import TransportConfig
+from teamrl.protocol.timeline import Timeline
 from teamrl.rollout import metrics as M
 from teamrl.rollout.bases import Bases
 from teamrl.rollout.config import RolloutConfig, RolloutConfigError, resolve_bases
@@ -68,17 +69,33 @@ class VersionBudget:
         self.per_version = per_version
         self.version: Any = None
         self.started = 0
+        self.refused = False  # the last take was refused: new groups wait for a new version
 
     def take(self, version: Any) -> bool:
         """True (and counted) if one more group may start at ``version`` (the live versions)."""
         if version != self.version:
             self.version, self.started = version, 0
-        if self.per_version and self.started >= self.per_version:
-            M.WAITING_FOR_VERSION.set(1)
-            return False
-        M.WAITING_FOR_VERSION.set(0)
-        self.started += 1
-        return True
+        self.refused = bool(self.per_version and self.started >= self.per_version)
+        M.WAITING_FOR_VERSION.set(int(self.refused))
+        self.started += not self.refused
+        return not self.refused
+
+
+class RolloutLane:
+    """A rollout's lane of the run's timeline (teamrl.protocol.timeline), said by the produce loop:
+    ``generating`` while any group generates, ``sending`` while finished groups wait for room in the
+    send queue (the buffer is behind), ``budget_wait`` while the version budget holds new groups
+    back (the learner is behind), ``weights_wait`` before the first weights, ``idle`` otherwise."""
+
+    def __init__(self, replica: int) -> None:
+        self.timeline = Timeline.from_env("rollout", str(replica))
+        self.timeline.enter("setup")
+
+    def update(self, inflight: int, blocked: int, budget: VersionBudget) -> None:
+        if inflight > blocked:
+            self.timeline.enter("generating")
+        else:
+            self.timeline.enter("sending" if blocked else "budget_wait" if budget.refused else "idle")
 
 
 class RolloutService:
@@ -122,6 +139,7 @@ class RolloutService:
         self.runner = _workflow_runner(cfg, self.bases, self.incarnation)
         self.bases.attach_appliers(self.runner, cfg.adapter_dir)
         self.evaluator = Evaluator(cfg, self.runner, self.replica)
+        self.lane = RolloutLane(self.replica)
 
     @property
     def engine(self) -> Any:
@@ -226,6 +244,7 @@ class RolloutService:
         """Generate nothing before every base's ``start_version`` is live on its engine (a resumed
         run's current weights): data sampled from older weights would only be dropped as stale.
         Says every few seconds what it waits for; a stop ends the wait."""
+        self.lane.timeline.enter("weights_wait")
         t0, said = time.monotonic(), 0.0
         while not self.stopping:
             behind = self.bases.behind()
@@ -271,9 +290,11 @@ class RolloutService:
                     inflight.add(t)
                     t.add_done_callback(inflight.discard)
                     continue
+                self.lane.update(len(inflight), self.sender.blocked, budget)
                 await asyncio.sleep(0.02)
         finally:
             await _drain(inflight, self.cfg.drain_timeout_s)
+            self.lane.timeline.close()
 
     # --- side loops ---------------------------------------------------------------------------
 
