@@ -58,6 +58,7 @@ Call sequence::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -257,6 +258,7 @@ _ENV_BASE = {
 _DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
 _REPORT_CAP = 1 << 20
 _ORPHAN_GRACE_S = 0.2  # after the child exits, how long orphans may keep our pipes open
+_EXIT_GRACE_S = 2.0  # how long the leader may take to end by itself once its output is in
 _NOBODY = 65534
 _SANDBOX_TMP = "/tmp"  # where the run's working folder appears inside the namespace sandbox
 # Hidden behind an empty tmpfs inside the namespace sandbox (when they are real folders and do not
@@ -306,7 +308,9 @@ def _bwrap_args(workdir: str) -> list[str]:
     # bind it back read-only at its own path (the folders leading to it are made in the run's folder).
     args += _bind_back(_SANDBOX_TMP, interp)
     args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    args += ["--die-with-parent", "--new-session"]
+    # --as-pid-1: the harness is the namespace's PID 1 and bwrap's only child, so bwrap reaps it; with
+    # an init of bwrap's own in between, that init was left a zombie under the host's PID 1 each run
+    args += ["--die-with-parent", "--new-session", "--as-pid-1"]
     if os.geteuid() == 0:
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
@@ -425,7 +429,37 @@ def _collect(
     return {k: bytes(v) for k, v in bufs.items()}, timed_out, limited
 
 
-def _kill_and_reap(proc: subprocess.Popen) -> int | None:
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (``/proc/PID/task/PID/children``; empty when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _wait_exited(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``pid`` to exit, without reaping it."""
+    deadline = time.monotonic() + timeout_s
+    while not _has_exited(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _kill_and_reap(proc: subprocess.Popen, hurry: bool = True) -> int | None:
+    """Kill what is left of the run and reap the leader; its exit status (None: unkillable).
+
+    bwrap's child (the harness, PID 1 of the sandbox's namespace and in a session of its own, so
+    ``killpg`` does not reach it) goes first: bwrap then reaps it and exits by itself. Killed first,
+    bwrap would leave it running, and then a zombie under the host's PID 1 (issue 30). Unless
+    ``hurry`` (a timeout or an output cap), the leader gets ``_EXIT_GRACE_S`` to end on its own."""
+    if not _wait_exited(proc.pid, 0.0 if hurry else _EXIT_GRACE_S):
+        for child in _children(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)
+        _wait_exited(proc.pid, _EXIT_GRACE_S)
     # The leader is not reaped yet, so its pid (the group id) cannot have been reused.
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -535,10 +569,12 @@ def _wait_child(
 ) -> tuple[dict[str, bytes], bool, bool, int | None]:
     """Collect the child's output and report, then kill its whole group and reap it:
     (buffers, timed out, output limited, exit status or None)."""
+    hurry = True
     try:
         bufs, timed_out, limited = _collect(proc, report_fd, limits, start)
+        hurry = timed_out or limited
     finally:
-        returncode = _kill_and_reap(proc)
+        returncode = _kill_and_reap(proc, hurry)
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
