@@ -48,6 +48,22 @@ def _at_least(lo: int):
     return parse
 
 
+LOGGER_HELP = (
+    "comma list of tensorboard, wandb, mlflow: the run config, learner steps and held-out evaluations "
+    "also go to these trackers (wandb, mlflow: pip install 'teamrl[trackers]'; docs/trackers.md); "
+    "tensorboard is --tensorboard"
+)
+
+
+def _loggers(text: str) -> list[str]:
+    from teamrl.cli.trackers import parse_loggers
+
+    try:
+        return parse_loggers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -186,6 +202,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensorboard", action="store_true", help="async: learner metrics also as TensorBoard events"
     )
+    p.add_argument("--logger", type=_loggers, default=[], metavar="NAMES", help=LOGGER_HELP)
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -225,7 +242,9 @@ def parse_args(argv: list[str] | None, prog: str, workflow: str | None, run_dir:
         p.set_defaults(**{k.replace("-", "_"): v for k, v in table.items()})
         if "workflow" in table:
             _workflow_optional(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.tensorboard = args.tensorboard or "tensorboard" in args.logger
+    return args
 
 
 def _workflow_optional(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ from teamrl.cli.plan import RunPlan, config_toml, learner_ranks
 from teamrl.cli.plots import group_dir, read_jsonl
 from teamrl.cli.run_sync import summary
 from teamrl.cli.supervisor import Service, Supervisor
+from teamrl.cli.trackers import RunTrackers, start_trackers
 from teamrl.rollout.cpus import core_shares
 
 MAX_RESTARTS = 3  # a service that dies is started again this many times (each service its own budget)
@@ -356,6 +357,7 @@ def watch_run(
     stop_asked: list[str],
     t_begin: float,
     groups: list[str] | None = None,
+    trackers: RunTrackers | None = None,
 ) -> Watch:
     """Show the run live and keep it alive until every learner group's last step has been evaluated
     (or a signal, or a service out of restarts)."""
@@ -369,6 +371,8 @@ def watch_run(
             rows = {g: read_jsonl(group_dir(run_dir, g) / "metrics.jsonl") for g in groups}
             evals = read_jsonl(run_dir / "eval.jsonl")
             stats = read_jsonl(run_dir / "buffer" / "stats.jsonl")
+            if trackers is not None:
+                trackers.update()
             alive = {s.name: s.alive for s in sup.services}
             last = {g: r[-1] if r else None for g, r in rows.items()}
             view.update(
@@ -440,6 +444,7 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
     wiring = Wiring.pick(args.rollouts, groups)
     t0 = prepare_run_dir(args, plan, run_dir, wiring)
     services = plan_services(args, run_dir, wiring, t0, groups)
+    trackers = start_trackers(getattr(args, "logger", []), run_dir, plan.config, groups)
     sup = Supervisor()
     stop_asked: list[str] = []
 
@@ -459,9 +464,10 @@ def run_async(args: argparse.Namespace, plan: RunPlan) -> int:
             + ", ".join(f"{k} {v}" for k, v in wiring.metrics.items()),
             flush=True,
         )
-        watch = watch_run(args, run_dir, sup, stop_asked, t_begin, groups)
+        watch = watch_run(args, run_dir, sup, stop_asked, t_begin, groups, trackers)
     finally:
         codes = sup.stop(timeout=60, order=STOP_ORDER)
+        trackers.close()  # the rows written while stopping too
         for s, h in old.items():
             signal.signal(s, h)
     return finish(run_dir, watch, codes, t_begin)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from teamrl.cli.plan import RunPlan, config_toml
+from teamrl.cli.trackers import start_trackers
 
 
 def _mean(xs: list[float]) -> float:
@@ -94,6 +95,7 @@ class SyncRun:
         self.version = 0
         self.metrics_f = (self.run_dir / "metrics.jsonl").open("a")
         self.eval_f = (self.run_dir / "eval.jsonl").open("a")
+        self.trackers = start_trackers(getattr(args, "logger", []), self.run_dir, plan.config)
 
     async def run(self) -> int:
         await self.eng.start()
@@ -158,6 +160,7 @@ class SyncRun:
         row = {"step": step, "time": time.time() - self.t_begin, "version": version, **ev}
         self.eval_f.write(json.dumps(row) + "\n")
         self.eval_f.flush()
+        self.trackers.update()
         print(f"[teamrl] step {step} held-out: {json.dumps(ev)}", flush=True)
         return {**ev, "version": version}
 
@@ -216,6 +219,7 @@ class SyncRun:
         }
         self.metrics_f.write(json.dumps(row) + "\n")
         self.metrics_f.flush()
+        self.trackers.update()
         rewards = " ".join(f"{a} {_mean(xs):.3f}" for a, xs in per_agent.items())
         print(
             f"[teamrl] step {step + 1}/{self.args.steps} v{self.version} reward {rewards} "
@@ -229,6 +233,7 @@ class SyncRun:
         await self.eng.close()
         self.metrics_f.close()
         self.eval_f.close()
+        self.trackers.close()
         try:
             from teamrl.cli.plots import plot_run
 
