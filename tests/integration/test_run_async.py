@@ -53,7 +53,7 @@ def test_async_run_stops_cleanly_and_resumes(tmp_path: Path) -> None:
     while len(rows(run / "metrics.jsonl")) < 2 and time.monotonic() < deadline and first.poll() is None:
         time.sleep(0.5)
     assert len(rows(run / "metrics.jsonl")) >= 2, first.communicate(timeout=120)[0][-4000:]
-    first.send_signal(signal.SIGTERM)
+    first.send_signal(signal.SIGINT)  # Ctrl-C: exit 130 (SIGTERM: 143, test_run_async_plan.py)
     out1, _ = first.communicate(timeout=180)
     assert first.returncode == 130, out1[-4000:]
     assert "services stopped" in out1

@@ -78,7 +78,7 @@ def test_two_base_models_train_as_two_groups_survive_a_kill_and_resume(tmp_path:
         os.kill(pid, signal.SIGKILL)
         at_kill = len(group_rows(run, GROUPS[0]))
         wait_for(lambda: len(group_rows(run, GROUPS[0])) > at_kill, "a step of the restarted group", first)
-        first.send_signal(signal.SIGTERM)
+        first.send_signal(signal.SIGINT)  # Ctrl-C: exit 130 (SIGTERM: 143)
         out1, _ = first.communicate(timeout=240)
     finally:
         if first.poll() is None:

@@ -164,6 +164,12 @@ def transport_table(args: argparse.Namespace, run_dir: Path) -> dict[str, dict[s
     return {"transport": {"curve": True, "curve_dir": str(keys.resolve())}}
 
 
+def signal_exit_code(name: str) -> int:
+    """The shell's convention for a process ended by signal ``name``: 128 + its number (SIGTERM 143,
+    SIGINT, i.e. Ctrl-C, 130). The run stopped on request, cleanly, and says which request it was."""
+    return 128 + int(signal.Signals[name])
+
+
 def insecure_flag(args: argparse.Namespace) -> list[str]:
     """``--insecure`` for a service of an ``--insecure`` run (its config has no keys, and a service
     without keys refuses to start unless told); nothing otherwise."""
@@ -380,7 +386,7 @@ def watch_run(
             )
             if stop_asked:
                 print(f"[teamrl] {stop_asked[0]}: stopping all services", flush=True)
-                watch.rc = 130
+                watch.rc = signal_exit_code(stop_asked[0])
                 return watch
             if not restart_or_give_up(sup, watch):
                 return watch

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from teamrl.cli.run_async import Wiring, plan_services
+from teamrl.cli.run_async import Wiring, plan_services, signal_exit_code
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -43,3 +43,14 @@ def test_a_resumed_run_tells_rollouts_to_wait_for_its_current_version(tmp_path: 
     (learner,) = [s for s in services if s.name.startswith("learner")]
     assert "RANK" not in learner.env  # one rank: a world of one, no rendezvous
     assert "MASTER_PORT" in learner.unset  # nor one inherited from the caller's environment
+
+
+def test_a_stopped_run_exits_143_after_sigterm_and_130_after_ctrl_c() -> None:
+    assert (signal_exit_code("SIGTERM"), signal_exit_code("SIGINT")) == (143, 130)
+
+
+def test_an_insecure_run_tells_every_service_so(tmp_path: Path) -> None:
+    secure = plan_services(_args(), tmp_path, Wiring.pick(2), t0=0.0)
+    assert not any("--insecure" in s.argv for s in secure)  # keys in its config: secure by default
+    insecure = plan_services(_args(insecure=True), tmp_path, Wiring.pick(2), t0=0.0)
+    assert all("--insecure" in s.argv for s in insecure) and len(insecure) == 5
