@@ -138,3 +138,58 @@ def test_a_child_asked_through_its_environment_dies_with_its_parent(tmp_path: Pa
         timeout=60,
     )
     assert orphan.returncode == -15 and "alive" not in orphan.stdout
+
+
+# A stand-in service whose engine core maps a shared-memory segment the way vLLM's do
+# (``/dev/shm/psm_*``, created, mapped, never unlinked by a process that is SIGKILLed).
+SHM_SERVICE = textwrap.dedent(
+    """
+    import json, mmap, multiprocessing, os, sys, time
+    from teamrl.protocol.children import start_reaper
+
+    def core(path):
+        name = f"psm_teamrl_test_{os.getpid()}"
+        fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 20)
+        seg = mmap.mmap(fd, 1 << 20)
+        seg[:5] = b"hello"
+        with open(path, "w") as f:
+            json.dump({"core": os.getpid(), "segment": name}, f)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        start_reaper()
+        multiprocessing.get_context("fork").Process(target=core, args=(sys.argv[1],)).start()
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_sigkilled_engines_shared_memory_is_removed(tmp_path: Path) -> None:
+    before = sorted(os.listdir("/dev/shm"))
+    script, pids_file = tmp_path / "service.py", tmp_path / "pids.json"
+    script.write_text(SHM_SERVICE)
+    svc = subprocess.Popen([sys.executable, str(script), str(pids_file)], start_new_session=True)
+    try:
+        assert _wait_for(lambda: pids_file.exists() and pids_file.read_text(), 60)
+        info = json.loads(pids_file.read_text())
+        time.sleep(2.5)  # the reaper reads the tree's maps every SHM_EVERY polls
+        os.kill(info["core"], signal.SIGKILL)  # the engine dies without unlinking its segment
+        assert _wait_for(lambda: not _alive(info["core"]), 10)
+        assert info["segment"] in os.listdir("/dev/shm")  # left behind, as vLLM's were
+        os.kill(svc.pid, signal.SIGKILL)  # then its service (a real rollout exits 3 on a dead engine)
+        svc.wait(10)
+        assert _wait_for(lambda: sorted(os.listdir("/dev/shm")) == before, 15), (
+            f"/dev/shm before {before}, after {sorted(os.listdir('/dev/shm'))}"
+        )
+        print(
+            f"/dev/shm: {len(before)} files before, {info['segment']} while the engine lived, "
+            f"{len(os.listdir('/dev/shm'))} after"
+        )
+    finally:
+        for p in [svc.pid, *descendants(svc.pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
