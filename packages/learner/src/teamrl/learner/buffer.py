@@ -105,6 +105,9 @@ log = logging.getLogger(__name__)
 
 # --- metrics (names are fixed: the deploy dashboard and autoscalers query them) ------------------
 BUFFER_SIZE = Gauge("teamrl_buffer_size", "Sampleable trajectories held by the replay buffer.")
+GROUPS_PENDING = Gauge(
+    "teamrl_buffer_groups_pending", "Groups still filling (not sampleable yet); set with each stats line."
+)
 INSERTED = Counter(
     "teamrl_buffer_inserted", "Trajectories that became sampleable (admitted; group complete or timed out)."
 )

@@ -54,6 +54,7 @@ import time
 from typing import Any
 
 from teamrl.learner.buffer import (
+    GROUPS_PENDING,
     MAX_AGENT_ID_CHARS,
     InvalidAgentId,
     InvalidView,
@@ -322,6 +323,7 @@ class BufferService:
         self.last_checkpoint = now
 
     def write_stats(self) -> None:
+        GROUPS_PENDING.set(self.buffer.pending_groups)  # the queue depths: this and teamrl_buffer_size
         line = {
             "time": time.time(),
             "size": self.buffer.size,
