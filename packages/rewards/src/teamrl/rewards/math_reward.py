@@ -43,6 +43,7 @@ Call sequence::
 
 from __future__ import annotations
 
+import functools
 import json
 import math as _pymath
 import os
@@ -225,6 +226,15 @@ def _expressions(parsed: list[Any]) -> bool:
     return any(isinstance(x, sympy.Basic | MatrixBase) for x in parsed)
 
 
+@functools.lru_cache(maxsize=2048)
+def _parsed(answer: str, soft: int) -> tuple[Any, ...]:
+    """math-verify's reading of one answer, remembered (parsing is most of a verdict's time, and a GRPO
+    group's completions share one gold). A timeout raises, so it is never remembered."""
+    from math_verify import LatexExtractionConfig, parse
+
+    return tuple(parse(f"${answer}$", [LatexExtractionConfig()], parsing_timeout=soft, raise_on_error=True))
+
+
 def symbolic_equal(pred: str, gold: str, timeout_s: float) -> tuple[bool, str]:
     """Worker side: ``(equal, reason)`` by math-verify, reason compared / unparsable / timeout.
 
@@ -233,14 +243,12 @@ def symbolic_equal(pred: str, gold: str, timeout_s: float) -> tuple[bool, str]:
     timeouts are ``SIGALRM`` alarms in whole seconds: they work here because the worker runs this on
     its main thread (in a thread they cannot be armed); the parent's kill at ``timeout_s`` stays the
     bound for what an alarm cannot interrupt."""
-    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify import verify
     from math_verify.errors import TimeoutException
 
     soft = max(1, int(timeout_s))
-    config = [LatexExtractionConfig()]
     try:
-        p = parse(f"${pred}$", config, parsing_timeout=soft, raise_on_error=True)
-        g = parse(f"${gold}$", config, parsing_timeout=soft, raise_on_error=True)
+        p, g = list(_parsed(pred, soft)), list(_parsed(gold, soft))
         if not (_expressions(p) and _expressions(g)):
             return False, "unparsable"
         return bool(verify(g, p, timeout_seconds=soft, raise_on_error=True)), "compared"
@@ -260,7 +268,10 @@ def _worker_main(argv: list[str]) -> int:
     if memory_mb > 0:
         limit = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    symbolic_equal("1", "1", 5.0)  # imports sympy, the LaTeX grammar, warms caches: before "ready"
+    # imports sympy's parts, the LaTeX grammar and simplify before "ready": the first answer's time
+    # limit is then the answer's own
+    symbolic_equal("\\frac{x^2-1}{2}", "\\frac{(x-1)(x+1)}{2}", 30.0)
+    _parsed.cache_clear()
 
     out = sys.stdout.buffer
 
