@@ -27,6 +27,7 @@ NAME = re.compile(r"\bteamrl_[a-z0-9_]+")
 # Prefix -> modules that may define it (any that imports counts; the buffer's may land in either).
 PREFIX_MODULES = {
     "teamrl_protocol_": ("teamrl.protocol.metrics",),
+    "teamrl_service_": ("teamrl.protocol.timeline",),
     "teamrl_rollout_": ("teamrl.rollout.metrics",),
     "teamrl_buffer_": ("teamrl.learner.buffer", "teamrl.learner.buffer_service", "teamrl.learner.metrics"),
     "teamrl_learner_": ("teamrl.learner.metrics", "teamrl.learner.service"),
