@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from teamrl.protocol.children import descendants
+from teamrl.protocol.children import descendants, shm_mapped
 
 pytestmark = [
     pytest.mark.vllm,
@@ -130,6 +130,53 @@ def test_sigterm_with_the_buffer_gone_exits_within_drain_plus_flush(tmp_path: Pa
         while any(_alive(p) for p in tree) and time.monotonic() - t1 < 15:
             time.sleep(0.1)
         assert not [p for p in tree if _alive(p)], "children outlived a clean stop"
+    finally:
+        for p in [proc.pid, *tree]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_a_sigkilled_engine_leaves_dev_shm_as_it_was(tmp_path: Path) -> None:
+    """vLLM's shared-memory segments (``/dev/shm/psm_*``, 160-250 MB each) outlived SIGKILLed engines
+    (issue 30: 19 of them, ~4 GB of RAM). The engine core and the rollout are SIGKILLed, so neither
+    vLLM's clean-up nor Python's resource tracker runs; the rollout's reaper unlinks what its tree
+    mapped. Other runs on the machine may add their own
+    segments meanwhile, so the check is on this rollout's: every one it mapped is gone."""
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.iterdir()}
+    log = tmp_path / "rollout.log"
+    argv = [sys.executable, "-m", "teamrl.cli.main", "rollout", "--insecure"]  # plaintext on loopback
+    argv += ["--buffer", f"tcp://127.0.0.1:{_port()}", "--weights", f"tcp://127.0.0.1:{_port()}"]
+    argv += ["--set", "workflow=addition-duo", "--set", "group_size=2", "--set", "groups_in_flight=1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    tree: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while " up in " not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "engine not up in 240 s\n" + log.read_text(errors="replace")
+            time.sleep(0.5)
+        time.sleep(3.0)  # the reaper reads the tree's memory maps every 2 s
+        tree = descendants(proc.pid)
+        ours = set().union(*(shm_mapped(p) for p in [proc.pid, *tree]))
+        assert ours, "the engine maps no /dev/shm segment: nothing to show"
+        engines = [p for p in tree if "EngineCore" in _name(p)] or [p for p in tree if "VLLM" in _name(p)]
+        assert engines, {p: _name(p) for p in tree}
+        os.kill(engines[0], signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)  # and the rollout: no vLLM or Python clean-up runs
+        rc = proc.wait(10)
+        t0 = time.monotonic()
+        while ours & {p.name for p in shm.iterdir()} and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        after = {p.name for p in shm.iterdir()}
+        size = sum((shm / n).stat().st_size for n in ours if (shm / n).exists())
+        print(
+            f"/dev/shm: {len(before)} files before; the rollout's engine mapped {sorted(ours)}; after its "
+            f"SIGKILL (and the rollout's, exit {rc}) {len(ours & after)} of them left ({size} bytes), "
+            f"{len(after)} files in all (other runs' included)"
+        )
+        assert not ours & after, f"left in /dev/shm: {sorted(ours & after)}"
     finally:
         for p in [proc.pid, *tree]:
             if _alive(p):
