@@ -274,7 +274,7 @@ class BufferService:
 
     def stats(self) -> BufferStats:
         lo, hi = self.buffer.policy_version_range()
-        # model ids are not checked at admission: report those a control message can name
+        # a buffer without a plan does not check data's model ids: report those a control message can name
         versions = sorted(
             (m, v) for m, v in self.buffer.current_versions.items() if 1 <= len(m) <= MAX_AGENT_ID_CHARS
         )

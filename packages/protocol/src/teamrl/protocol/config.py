@@ -172,4 +172,7 @@ def transport_mode(prog: str, transport: TransportConfig, insecure: bool) -> str
             f"{prog}: refusing to start without CURVE keys: set [transport] curve = true and curve_dir in "
             "--config (make keys with `teamrl keys DIR`), or pass --insecure for plaintext links"
         )
-    return f"{prog}: --insecure: plaintext links, no CURVE; any peer that reaches its ports is believed"
+    return (
+        f"{prog}: --insecure: plaintext links, no CURVE: any peer that reaches its ports may send data "
+        "and requests (docs/security.md)"
+    )
