@@ -202,3 +202,15 @@ def test_a_runs_plan_names_the_buffers_ids(tmp_path: Path) -> None:
     buffer = plan(args).config["buffer"]
     assert (buffer["model_ids"], sorted(buffer["agent_ids"])) == (["embedded-v1"], ["solver", "verifier"])
     BufferConfig(**buffer)  # the service's own config model takes it
+
+
+def test_a_one_base_learners_announcement_shows_in_stats_for_the_plans_base(tmp_path: Path) -> None:
+    run = _Run(tmp_path, curve=False, model_ids=[BASE], agent_ids=AGENTS)
+    try:
+        assert run.call(VersionAnnounce(version=5)).type == "buffer_stats"  # model_id None: every base
+        assert run.svc.stats().current_versions == {BASE: 5} and run.svc.buffer.current_version == 5
+        run.send(_frame(6, seed=1))  # above it: refused
+        run.send(_frame(5, seed=2))
+        assert run.svc.buffer.size == 2 and run.svc.buffer.rejected["policy_version_unpublished"] == 1
+    finally:
+        run.close()

@@ -274,10 +274,10 @@ class BufferService:
 
     def stats(self) -> BufferStats:
         lo, hi = self.buffer.policy_version_range()
-        # a buffer without a plan does not check data's model ids: report those a control message can name
-        versions = sorted(
-            (m, v) for m, v in self.buffer.current_versions.items() if 1 <= len(m) <= MAX_AGENT_ID_CHARS
-        )
+        # announced bases and the plan's (a one-base learner announces all at once), as a message names
+        known = {m: self.buffer.current_version_of(m) for m in self.buffer.ids.models}
+        known = {m: v for m, v in {**known, **self.buffer.current_versions}.items() if v >= 0}
+        versions = sorted((m, v) for m, v in known.items() if 1 <= len(m) <= MAX_AGENT_ID_CHARS)
         return BufferStats(
             size=self.buffer.size,
             per_agent=self.buffer.per_agent(),
