@@ -214,3 +214,14 @@ def test_a_one_base_learners_announcement_shows_in_stats_for_the_plans_base(tmp_
         assert run.svc.buffer.size == 2 and run.svc.buffer.rejected["policy_version_unpublished"] == 1
     finally:
         run.close()
+
+
+def test_an_announcement_is_durable_before_its_reply(tmp_path: Path) -> None:
+    """The learner publishes right after the reply; a buffer killed then must not come back with an
+    older version and refuse that version's frames."""
+    run = _Run(tmp_path, curve=False)
+    try:
+        assert run.call(VersionAnnounce(model_id=BASE, version=7)).type == "buffer_stats"
+        assert run.svc.store.load()[0]["current_versions"] == {BASE: 7}  # no checkpoint asked for
+    finally:
+        run.close()

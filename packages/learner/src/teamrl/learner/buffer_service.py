@@ -248,7 +248,8 @@ class BufferService:
         except (VersionOutOfRange, InvalidAgentId, UnknownId) as e:  # counted by the buffer
             log.warning("version announcement refused: %s", e)
             return ErrorReply(reason=e.reason, message=str(e))
-        self.dirty = self.dirty or moved
+        if moved:  # durable before the reply: the learner publishes next, and no crash may forget it
+            self.checkpoint(time.monotonic())
         return self.stats()
 
     def _sample(self, req: SampleRequest) -> _Message:
@@ -274,10 +275,8 @@ class BufferService:
 
     def stats(self) -> BufferStats:
         lo, hi = self.buffer.policy_version_range()
-        # announced bases and the plan's (a one-base learner announces all at once), as a message names
-        known = {m: self.buffer.current_version_of(m) for m in self.buffer.ids.models}
-        known = {m: v for m, v in {**known, **self.buffer.current_versions}.items() if v >= 0}
-        versions = sorted((m, v) for m, v in known.items() if 1 <= len(m) <= MAX_AGENT_ID_CHARS)
+        known = self.buffer.versions.listed(self.buffer.ids.models).items()
+        versions = sorted((m, v) for m, v in known if 1 <= len(m) <= MAX_AGENT_ID_CHARS)  # nameable
         return BufferStats(
             size=self.buffer.size,
             per_agent=self.buffer.per_agent(),

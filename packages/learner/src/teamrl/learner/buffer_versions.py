@@ -112,6 +112,12 @@ class PolicyVersions:
             self.per_base[model_id] = max(was, version)
         return True
 
+    def listed(self, bases: Iterable[str] = ()) -> dict[str, int]:
+        """Each base's version for a report: the announced bases and ``bases`` (the plan's, which a
+        one-base learner's announcement covers all at once), those with a version."""
+        out = {m: self.of(m) for m in bases} | self.per_base
+        return {m: v for m, v in out.items() if v >= 0}
+
     def observe(self, top: int, models: Mapping[str, tuple[int, int]]) -> None:
         """A trajectory arrived: ``top`` its newest step's version, ``models`` its (min, max) per base.
         Moves versions only ``from_data``."""
