@@ -225,3 +225,25 @@ def test_an_announcement_is_durable_before_its_reply(tmp_path: Path) -> None:
         assert run.svc.store.load()[0]["current_versions"] == {BASE: 7}  # no checkpoint asked for
     finally:
         run.close()
+
+
+def test_the_learner_asks_a_restarting_buffer_again() -> None:
+    from teamrl.learner.publish import announce_version
+    from teamrl.protocol.control import BufferStats
+    from teamrl.protocol.errors import PeerTimeout
+
+    class Rpc:
+        def __init__(self, timeouts: int) -> None:
+            self.timeouts, self.calls = timeouts, []
+
+        def call(self, msg: object) -> object:
+            self.calls.append(msg)
+            if len(self.calls) <= self.timeouts:
+                raise PeerTimeout("no reply")
+            return BufferStats(size=0)
+
+    rpc = Rpc(timeouts=2)
+    assert announce_version(rpc, BASE, AGENTS, 4) and len(rpc.calls) == 3
+    assert rpc.calls[0] == VersionAnnounce(model_id=BASE, version=4, agent_ids=AGENTS)
+    gone = Rpc(timeouts=99)
+    assert not announce_version(gone, None, [], 4, attempts=3) and len(gone.calls) == 3

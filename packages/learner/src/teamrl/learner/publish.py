@@ -22,6 +22,8 @@ from teamrl.learner import metrics as M
 
 log = logging.getLogger("teamrl.learner")
 
+ANNOUNCE_ATTEMPTS = 6  # x the RPC timeout (10 s): how long a restarting buffer is waited for
+
 # bfloat16's machine epsilon (torch.finfo(torch.bfloat16).eps = 2**-7): 8 significand bits, so a
 # value is stored to within half of it relative to itself.
 BF16_EPS = 2.0**-7
@@ -127,18 +129,29 @@ class AdapterPublisher:
         self.socket.close()
 
 
-def announce_version(rpc: Any, model_id: str | None, agent_ids: list[str], version: int) -> bool:
+def announce_version(
+    rpc: Any, model_id: str | None, agent_ids: list[str], version: int, attempts: int = ANNOUNCE_ATTEMPTS
+) -> bool:
     """``VersionAnnounce`` to the replay buffer over ``rpc`` (an ``RpcClient``): base ``model_id`` (None:
     every base) is published at ``version`` for ``agent_ids``. The buffer's only source of versions
-    (docs/security.md), so the learner sends it *before* ``WeightsPublished``. True when the buffer
-    answered (a refusal is logged: the buffer counted it); False when it did not (ask again)."""
+    (docs/security.md), so the learner sends it *before* ``WeightsPublished`` and asks up to
+    ``attempts`` times (a restarting buffer): frames of a version the buffer never heard of are
+    refused, and the learner would wait for data that cannot come. True when the buffer answered (a
+    refusal is logged: the buffer counted it)."""
     from teamrl.protocol.control import ErrorReply, VersionAnnounce
     from teamrl.protocol.errors import PeerTimeout
 
-    try:
-        reply = rpc.call(VersionAnnounce(model_id=model_id, version=version, agent_ids=agent_ids))
-    except PeerTimeout:
-        log.warning("the buffer did not answer version %d's announcement; asking again later", version)
+    msg = VersionAnnounce(model_id=model_id, version=version, agent_ids=agent_ids)
+    for attempt in range(1, attempts + 1):
+        try:
+            reply = rpc.call(msg)
+            break
+        except PeerTimeout:
+            log.warning(
+                "the buffer did not answer version %d's announcement (%d/%d)", version, attempt, attempts
+            )
+    else:
+        log.error("version %d was never announced to the buffer: its frames will be refused", version)
         return False
     if isinstance(reply, ErrorReply):
         log.error("the buffer refused version %d (%s): %s", version, reply.reason, reply.message)
