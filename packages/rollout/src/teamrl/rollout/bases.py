@@ -34,6 +34,7 @@ class ServedBase:
     lora_target_modules: tuple[str, ...]
     weights: str  # learner weights PUB endpoint; "" = not followed (no agent trains on this base)
     start_version: int
+    max_model_len: int = 0  # the engine's context (0: the model's max_position_embeddings)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Bases(dict[str, Base]):
                     lora_target_modules=plan.lora_target_modules,
                     keep_versions=keep_versions,
                     kv_cache_bytes=kv_cache_bytes,
+                    max_model_len=plan.max_model_len,
                 )
             )
             bases[model_id] = Base(plan, engine)

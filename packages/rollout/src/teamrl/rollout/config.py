@@ -60,6 +60,11 @@ class RolloutModel(BaseModel):
     start_version: int = Field(
         0, ge=0, description="generate only once this base's adapter version is live (a resumed run's)"
     )
+    max_model_len: int = Field(
+        0,
+        ge=0,
+        description="this base's engine context in tokens (0: the model's own limit; see max_model_len)",
+    )
 
 
 class RolloutConfig(BaseModel):
@@ -98,6 +103,12 @@ class RolloutConfig(BaseModel):
     )
     keep_versions: int = Field(2, ge=1, description="adapter versions kept loaded")
     kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1, description="vLLM CPU KV cache size")
+    max_model_len: int = Field(
+        0,
+        ge=0,
+        description="the engine's context in tokens; 0 = the model's max_position_embeddings. teamrl run "
+        "derives it from the workflow's prompts and token budgets (teamrl.rollout.sizing)",
+    )
     adapter_dir: str = Field("", description="where received adapters are unpacked; empty = a temp folder")
     max_groups_per_version: int = Field(
         0,
@@ -207,7 +218,13 @@ def _one_base(cfg: RolloutConfig, wf: Any, plain: str | None, keyed: dict[str, s
             )
     endpoint = plain or keyed.get(key) or DEFAULT_WEIGHTS
     base = ServedBase(
-        key, cfg.model, cfg.max_lora_rank, tuple(cfg.lora_target_modules), endpoint, cfg.start_version
+        key,
+        cfg.model,
+        cfg.max_lora_rank,
+        tuple(cfg.lora_target_modules),
+        endpoint,
+        cfg.start_version,
+        cfg.max_model_len,
     )
     return {key: base}
 
@@ -261,7 +278,13 @@ def _several_bases(
                 f"models.{model_id}.path = {m.path!r}: no config.json there (not a model folder)"
             )
         bases[model_id] = ServedBase(
-            model_id, m.path, m.max_lora_rank, tuple(m.lora_target_modules), endpoint, m.start_version
+            model_id,
+            m.path,
+            m.max_lora_rank,
+            tuple(m.lora_target_modules),
+            endpoint,
+            m.start_version,
+            m.max_model_len or cfg.max_model_len,
         )
     return bases
 
