@@ -36,6 +36,7 @@ from teamrl.cli.trackers import RunTrackers, start_trackers
 from teamrl.rollout.cpus import core_shares
 
 MAX_RESTARTS = 3  # a service that dies is started again this many times (each service its own budget)
+CONFIG_RC = 2  # a service's exit code for a bad config or usage: a restart cannot fix it, so none is tried
 FINAL_EVAL_WAIT_S = 300.0  # a rollout restarted near the end needs its vLLM start-up before it can evaluate
 STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
 
@@ -324,11 +325,13 @@ class Watch:
 
 def restart_or_give_up(sup: Supervisor, watch: Watch) -> bool:
     """Restart services that died (learner ranks all together: they rendezvous), each at most
-    ``MAX_RESTARTS`` times; False once one is out of restarts (the run stops, rc 1)."""
+    ``MAX_RESTARTS`` times; False once one is out of restarts or exited with ``CONFIG_RC`` (the run
+    stops, rc 1)."""
     dead = [s for s in sup.dead() if not (s.name.startswith("learner") and s.proc.returncode == 0)]
     for group in {_group_of(d.name) for d in dead if d.name.startswith("learner")}:
         dead += [s for s in sup.services if _group_of(s.name) == group and s not in dead]
-    for s in [d for d in dead if watch.restarts.get(d.name, 0) < MAX_RESTARTS]:
+    fixable = [d for d in dead if d.proc is None or d.proc.returncode != CONFIG_RC]
+    for s in [d for d in fixable if watch.restarts.get(d.name, 0) < MAX_RESTARTS]:
         # Each service resumes from what it persisted: the buffer from its checkpoint (frames it had
         # not acked are resent by the rollouts), a learner from its last complete checkpoint, a
         # rollout as a new incarnation (what it had acked is in the buffer).
@@ -346,9 +349,14 @@ def restart_or_give_up(sup: Supervisor, watch: Watch) -> bool:
         s.start()
         dead.remove(s)
     for s in dead:
+        why = (
+            "a configuration error, which a restart cannot fix"
+            if s.proc.returncode == CONFIG_RC
+            else f"after {MAX_RESTARTS} restarts (restart budget spent)"
+        )
         print(
-            f"[teamrl] {s.name} exited with {s.proc.returncode} after {MAX_RESTARTS} restarts "
-            f"(restart budget spent); stopping the run. Last log lines:\n{s.tail()}",
+            f"[teamrl] {s.name} exited with {s.proc.returncode}, {why}; stopping the run. "
+            f"Last log lines:\n{s.tail()}",
             file=sys.stderr,
         )
     if dead:
