@@ -220,6 +220,7 @@ def _ours(args: argparse.Namespace, model_dir: Path, adapters: list[str], order:
         dtype=args.dtype,
         device=args.device,
         micro_batch_rows=args.rows,
+        micro_batch_tokens=args.rows * (args.prompt + args.response),  # one micro-batch, as the bare loop
         logprob_tolerance=None,
         update_order=order,
         zero_stage=args.zero_stage,
@@ -414,10 +415,57 @@ def bench_push(ours, model_dir: Path, args: argparse.Namespace, vocab: int) -> N
     print("vLLM hot-load latency of a pushed adapter is measured by tests/bench/rollout.py, not here")
 
 
+def bench_memory(args: argparse.Namespace, model_dir: Path) -> None:
+    """Peak RSS of one ``train_step`` at the learner's default micro-batch settings (rows and token
+    budget) on ``args.memory`` = ROWSxTOKENS rows, above the RSS of the built engine; the log-probs are
+    computed in chunks (teamrl.learner.logprobs), so full-vocabulary logits never exist at once."""
+    import resource
+
+    from teamrl.learner.engine import AdapterSettings, LearnerEngine
+    from teamrl.learner.settings import OptimSettings
+    from teamrl.protocol.codec import decode_batches, encode_trajectories_buffer
+
+    rows, tokens = (int(x) for x in args.memory.lower().split("x"))
+    ours = LearnerEngine.build(
+        model_dir,
+        [ADAPTER],
+        adapter_settings={ADAPTER: AdapterSettings(lr=1e-4, clip_low=0.2, clip_high=0.2)},
+        dtype=args.dtype,
+        device=args.device,
+        logprob_tolerance=None,
+    )
+    vocab = int(ours.model.config.vocab_size)
+    frame = encode_trajectories_buffer(_trajectories(rows, tokens // 2, tokens - tokens // 2, vocab))
+
+    def rss_mib() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+
+    before = rss_mib()
+    t0 = time.perf_counter()
+    ours.train_step(decode_batches(frame), 0, 0)
+    took = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    d = OptimSettings()
+    print(
+        f"memory: one train_step of {rows} rows x {tokens} tokens ({args.dtype}, defaults micro_batch_rows "
+        f"{d.micro_batch_rows}, micro_batch_tokens {d.micro_batch_tokens}): peak RSS {peak:.0f} MiB "
+        f"(engine built: {before:.0f} MiB), {rows * tokens / took:.0f} tokens/s"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds (under 60 s on 2 CPU cores)")
-    p.add_argument("--model", default="", help="model folder (default: the embedded model)")
+    p.add_argument(
+        "--model", default="", help="model folder or name, e.g. smollm2-135m (default: the embedded model)"
+    )
+    p.add_argument(
+        "--memory",
+        default="",
+        metavar="ROWSxTOKENS",
+        help="instead: peak memory of one default-settings train_step on ROWS rows of TOKENS tokens "
+        "(half prompt, half response), e.g. 64x800, in a fresh process",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
         "--random-init-qwen05b",
@@ -471,8 +519,12 @@ def main() -> None:
         model_dir = _qwen05b_shaped(Path(tempfile.mkdtemp(prefix="qwen05b-")), args.dtype)
         print(f"model: random-initialised Qwen2.5-0.5B-shaped ({model_dir}), {args.dtype}, {args.device}")
     elif args.model:
-        model_dir = Path(args.model)
+        from teamrl.cli.plan import resolve_model
+
+        model_dir = resolve_model(args.model)
         print(f"model: {model_dir}, {args.dtype}, {args.device}")
+        if args.memory:
+            return bench_memory(args, model_dir)
     else:
         from teamrl.learner.modelbuild import build
 

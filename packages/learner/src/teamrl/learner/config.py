@@ -106,8 +106,19 @@ class LearnerConfig(_Strict):
     micro_batch_rows: int = Field(
         64, ge=1, description="agent steps per forward/backward; more rows are gradient-accumulated"
     )
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=0,
+        description="padded tokens (rows x longest row) per forward/backward at most, one row at least; "
+        "0 = rows only. Bounds the activations of long text rows (docs/real-model.md, 'Memory')",
+    )
     min_policy_version_lag: int = Field(
         -1, ge=-1, description="refuse samples older than version - lag (-1: any age)"
+    )
+    stream_micro_batches: bool = Field(
+        False,
+        description="start a step's forward/backward on the micro-batches that have arrived while the "
+        "rest of its sample is still asked for (teamrl.learner.streaming; the same update)",
     )
     temperature: float = Field(
         1.0,

@@ -77,7 +77,10 @@ def _features(
     """The critic's features of every row from one base pass; fills ``data.ref`` on the way."""
     batch = data.batch
     any_kl = any(s.kl_coef > 0 for s in adapters.values())
-    parts = [passes.base_pass(batch, c, any_kl, token) for c in passes.chunks(torch.arange(batch.n_rows))]
+    parts = [
+        passes.base_pass(batch, c, any_kl, token)
+        for c in passes.chunks(torch.arange(batch.n_rows), None, batch.row_lengths)
+    ]
     if any_kl:
         ref_all = torch.cat([r for _, r in parts if r is not None])
         for a, s in adapters.items():

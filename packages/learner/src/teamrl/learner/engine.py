@@ -117,11 +117,16 @@ class LearnerEngine:
         self.adapter_settings = settings.resolved(self.adapters)
         self.net = AdapterModel(model_dir, self.adapters, settings, device)
         self.passes = LogprobPasses(
-            self.net, self.adapter_settings, settings.objective.temperature, settings.optim.micro_batch_rows
+            self.net,
+            self.adapter_settings,
+            settings.objective.temperature,
+            settings.optim.micro_batch_rows,
+            settings.optim.micro_batch_tokens,
         )
         self.next_step = 0  # the step after the last one trained (restored by load_checkpoint)
         self.last_version = -1  # current_version of the last train_step
         self.updates = dict.fromkeys(self.adapters, 0)  # optimiser steps taken per adapter
+        self.timeline: Any = None  # teamrl.protocol.timeline.Timeline, set by the service
 
     @classmethod
     def build(
@@ -189,20 +194,22 @@ class LearnerEngine:
         current_version: int,
         fresh_version: int | None = None,
         weights: Sequence[float] | None = None,
+        started: AdapterStep | None = None,
     ) -> StepResult:
         """One update over a sample: advantages, objective, agent-by-agent (or simultaneous) steps.
 
         ``current_version``: the latest published version (for staleness). ``fresh_version``: rows of
         this version were sampled with exactly the weights the learner holds now (None: none are), and
         are the ones the behaviour/recompute log-prob check runs on. ``weights``: one sample weight per
-        trajectory (``SampleReply.weights``; None or empty: all 1).
+        trajectory (``SampleReply.weights``; None or empty: all 1). ``started``: the first adapter's
+        step begun while the batch arrived (:class:`teamrl.learner.streaming.StreamingStep`).
         """
         t0 = time.perf_counter()
         batch, ignored = build_rows(trajectories, self.adapters, self.settings.objective.reward_source)
         data = self._prepare(batch, weights)
         metrics = self._advantages(data)
         order = self._order(step)
-        result = self._update(data, order)
+        result = self._update(data, order, started)
         metrics |= _update_metrics(result)
         metrics |= self._logprob_gap(data, fresh_version, step)
         metrics |= _batch_metrics(data, current_version, time.perf_counter() - t0)
@@ -249,15 +256,17 @@ class LearnerEngine:
         g = torch.Generator().manual_seed(self.settings.optim.seed * 1_000_003 + step)
         return random_order(len(self.adapters), g)
 
-    def _update(self, data: StepData, order: list[int]) -> SequentialUpdateResult[str]:
-        """The agent-by-agent update: each adapter's optimiser steps, in ``order``."""
+    def _update(
+        self, data: StepData, order: list[int], started: AdapterStep | None = None
+    ) -> SequentialUpdateResult[str]:
+        """The agent-by-agent update: each adapter's optimiser steps, in ``order``; ``started``
+        continues as the first adapter's first epoch."""
         optim, batch = self.settings.optim, data.batch
-        per_rank = [
-            math.ceil(len(data.rows[a]) / self.adapter_settings[a].micro_batch_rows) for a in self.adapters
-        ]
+        per_rank = [len(self.passes.chunks(data.rows[a], a, batch.row_lengths)) for a in self.adapters]
         # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
         n_micro = dict(zip(self.adapters, _all_reduce_max(per_rank), strict=True))
         action_level = self.net.critic is not None and self.settings.critic.critic_level == "action"
+        pending = [started] if started is not None else []
 
         def per_joint(adapter: str, token_logp: Tensor) -> Tensor:  # [n, R] of its rows -> [n_joint]
             idx = data.rows[adapter]
@@ -278,9 +287,13 @@ class LearnerEngine:
             if n_micro[adapter] == 0:
                 return idle_stats(s.lr)
             self.updates[adapter] += 1
-            step = AdapterStep(
-                self.net, self.passes, data, adapter, s, self.settings.objective, action_level, factor
-            )
+            if pending and pending[0].adapter == adapter:
+                step = pending.pop().resume(data, factor)
+            else:
+                obj = self.settings.objective
+                step = AdapterStep(
+                    self.net, self.passes, data, adapter, s, obj, action_level, factor, self.timeline
+                )
             return step.run(n_micro[adapter])
 
         result = sequential_update(

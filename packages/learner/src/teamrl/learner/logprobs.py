@@ -10,8 +10,18 @@ Design decisions:
 * **Each row at its own temperature**: under an adapter, logits are divided by the adapter's sampling
   temperature; under the base model (the KL reference of rows of several adapters) by each row's own
   (``RowBatch.temps``). A division over the logits is skipped where the temperature is 1.
-* **Micro-batches** of ``micro_batch_rows`` rows (the adapter's own, the engine-wide one for the base):
-  the memory of a pass is bounded by the micro-batch, not by the sample.
+* **Micro-batches** of at most ``micro_batch_rows`` rows (the adapter's own, the engine-wide one for
+  the base) and, with ``micro_batch_tokens``, at most that many padded tokens (rows x their longest
+  row): the memory of a pass is bounded by the micro-batch, not by the sample, and a batch of long
+  text rows is cut finer than one of short ones. Consecutive rows, in order: the loss is normalised
+  over the whole batch (``loss_share``), so the cut changes no update beyond float rounding.
+* **Log-probs in chunks, never [rows, tokens, vocabulary] at once.** The model returns its last
+  hidden states (``logits_to_keep=1``: no full-vocabulary logits); the response positions' log-probs
+  are computed ``LOGIT_CHUNK_TOKENS`` tokens at a time (LM head, temperature, log-softmax, gather),
+  each chunk under activation checkpointing when gradients are wanted, so only one chunk's float32
+  logits exist at a time, in the forward and in the backward (docs/real-model.md, "Memory"). A real
+  vocabulary (49,152) made the whole-tensor version the learner's largest allocation: 64 rows of 800
+  tokens were 10 GB of float32 logits per copy.
 """
 
 from __future__ import annotations
@@ -20,13 +30,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from teamrl.learner.errors import LearnerError
 from teamrl.learner.model import AdapterModel
 from teamrl.learner.rows import RowBatch
 from teamrl.learner.settings import AdapterSettings
 
-__all__ = ["LogprobPasses"]
+__all__ = ["LogprobPasses", "LOGIT_CHUNK_TOKENS"]
+
+LOGIT_CHUNK_TOKENS = 1024  # response tokens whose logits exist at once: 1024 x 49,152 float32 = 192 MiB
 
 
 class LogprobPasses:
@@ -42,18 +55,35 @@ class LogprobPasses:
         adapters: Mapping[str, AdapterSettings],
         temperature: float,
         micro_batch_rows: int,
+        micro_batch_tokens: int = 0,
     ) -> None:
         self.net = net
         self.adapters = adapters
         self.temperature = temperature
         self.micro_batch_rows = micro_batch_rows
+        self.micro_batch_tokens = micro_batch_tokens
 
-    def chunks(self, idx: Tensor, adapter: str | None = None) -> list[Tensor]:
-        """``idx`` in micro-batches of the adapter's size (the engine-wide size for the base)."""
+    def chunks(self, idx: Tensor, adapter: str | None = None, lengths: Tensor | None = None) -> list[Tensor]:
+        """``idx`` in consecutive micro-batches of at most the adapter's rows (the engine-wide size for
+        the base) and, given the rows' ``lengths`` (prompt + response, indexed like the batch) and a
+        ``micro_batch_tokens`` budget, at most that many padded tokens (one row at least)."""
         n = self.adapters[adapter].micro_batch_rows if adapter is not None else self.micro_batch_rows
-        return [idx[i : i + n] for i in range(0, len(idx), n)]
+        if lengths is None or not self.micro_batch_tokens:
+            return [idx[i : i + n] for i in range(0, len(idx), n)]
+        out, start, longest = [], 0, 0
+        for i, row_len in enumerate(lengths[idx].tolist()):
+            longest2 = max(longest, int(row_len))
+            if i > start and (i - start >= n or (i - start + 1) * longest2 > self.micro_batch_tokens):
+                out.append(idx[start:i])
+                start, longest2 = i, int(row_len)
+            longest = longest2
+        if len(idx) > start:
+            out.append(idx[start:])
+        return out
 
-    def token_logp(self, batch: RowBatch, idx: Tensor, adapter: str | None, grad: bool) -> Tensor:
+    def token_logp(
+        self, batch: RowBatch, idx: Tensor, adapter: str | None, grad: bool, engine: bool = True
+    ) -> Tensor:
         """Response-token log-probs [n, R] of rows ``idx`` under ``adapter`` (None: the base model).
 
         Right-padded rows with position ids 0..L-1; only the response positions' logits are used. No
@@ -61,31 +91,49 @@ class LogprobPasses:
         from seeing a pad (pads only follow), and the mask-free call takes the faster causal attention
         path (measured ~5% of a CPU update step; tests/bench/learner.py).
 
-        Logits are computed only from the first response position of the chunk on
-        (``logits_to_keep``): the prompt positions' logits were never used, and the LM head over the
-        vocabulary is the largest matrix product of a small model. With ``grad`` the result stays on
-        the device (the loss is computed there) and runs through the adapter's DeepSpeed engine;
-        without, it is returned on the CPU.
+        The model returns hidden states only (``logits_to_keep=1``); the response positions' log-probs
+        come from :meth:`_response_logp` in chunks (module docstring). With ``grad`` the result stays
+        on the device (the loss is computed there) and runs through the adapter's DeepSpeed engine;
+        without, it is returned on the CPU. ``engine=False`` calls the bare model even with ``grad``
+        (a backward outside DeepSpeed: teamrl.learner.streaming).
         """
         dev = self.net.device
         big_l, ids, pos = self._inputs(batch, idx)
-        first = int(batch.prompt_lens[idx].min()) - 1  # the earliest position whose logits are used
-        keep = big_l - first  # logits of positions first .. big_l - 1
         resp = batch.response_ids[idx].to(dev)
         big_r = resp.shape[1]
-        gather = (batch.prompt_lens[idx, None] - 1 - first + torch.arange(big_r)[None, :]).clamp(max=keep - 1)
-        gather = gather.to(dev)
+        gather = (batch.prompt_lens[idx, None] - 1 + torch.arange(big_r)[None, :]).clamp(max=big_l - 1)
         ctx = self.net.using(adapter)
         if adapter is not None:
             self.net.trainable(adapter if grad else None)
-        call = self.net.engines[adapter] if (grad and adapter is not None) else self.net.model
+        call = self.net.engines[adapter] if (grad and engine and adapter is not None) else self.net.model
         with ctx, torch.set_grad_enabled(grad):
-            logits = call(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
-            vocab = logits.shape[-1]
-            sel = logits.gather(1, gather[..., None].expand(-1, -1, vocab)).float()
-            sel = self._at_temperature(sel, batch, idx, adapter)
-            logp = torch.log_softmax(sel, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
+            out = call(
+                input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, output_hidden_states=True
+            )
+            hidden = out.hidden_states[-1]  # [n, L, H], after the final norm
+            sel = hidden.gather(1, gather.to(dev)[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, R, H]
+            del out, hidden
+            logp = self._response_logp(sel, resp, batch, idx, adapter, grad)
         return logp.cpu() if (dev.type != "cpu" and not grad) else logp
+
+    def _response_logp(
+        self, sel: Tensor, resp: Tensor, batch: RowBatch, idx: Tensor, adapter: str | None, grad: bool
+    ) -> Tensor:
+        """log p(resp) [n, R] from the response positions' hidden states ``sel`` [n, R, H]: LM head,
+        temperature, log-softmax and gather, ``LOGIT_CHUNK_TOKENS`` tokens at a time; under ``grad``
+        each chunk is checkpointed (its logits recomputed in the backward, never kept)."""
+        head = self.net.model.get_base_model().get_output_embeddings()
+
+        def part(h: Tensor, r: Tensor) -> Tensor:
+            logits = self._at_temperature(head(h).float(), batch, idx, adapter)
+            return torch.log_softmax(logits, dim=-1).gather(-1, r[..., None]).squeeze(-1)
+
+        step = max(1, LOGIT_CHUNK_TOKENS // max(1, sel.shape[0]))
+        parts = []
+        for j in range(0, sel.shape[1], step):
+            h, r = sel[:, j : j + step], resp[:, j : j + step]
+            parts.append(checkpoint(part, h, r, use_reentrant=False) if grad else part(h, r))
+        return torch.cat(parts, dim=1) if parts else sel.new_zeros((sel.shape[0], 0))
 
     def _inputs(self, batch: RowBatch, idx: Tensor) -> tuple[int, Tensor, Tensor]:
         """(L, input ids [n, L], position ids 0..L-1 [n, L]) of rows ``idx`` on the device; L is
@@ -126,9 +174,8 @@ class LogprobPasses:
             sel = hidden.gather(1, gather[..., None].expand(-1, -1, hidden.shape[-1]))  # [n, R, H]
             ref = None
             if want_logp:
-                logits = self._at_temperature(base.get_output_embeddings()(sel).float(), batch, idx, None)
                 resp = batch.response_ids[idx].to(dev)
-                ref = torch.log_softmax(logits, dim=-1).gather(-1, resp[..., None]).squeeze(-1)
+                ref = self._response_logp(sel, resp, batch, idx, None, grad=False)
                 ref = ref.cpu() * batch.resp_mask[idx]
         feats = sel if token_level else sel[:, 0]
         return feats.float().cpu(), ref

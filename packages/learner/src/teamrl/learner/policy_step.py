@@ -24,7 +24,9 @@ Design decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,33 +91,88 @@ class AdapterStep:
         obj: ObjectiveSettings,
         action_level: bool,
         factor: Tensor,
+        timeline: Any = None,
     ) -> None:
         self.net, self.passes, self.data, self.adapter = net, passes, data, adapter
         self.s, self.obj, self.action_level = s, obj, action_level
         self.eng = net.engines[adapter]
+        self.timeline = timeline  # teamrl.protocol.timeline.Timeline: the optimiser's time apart
         self.dev = net.device
-        mask_all = data.batch.resp_mask[data.rows[adapter]]
-        self.total_tokens = float(mask_all.sum())
-        self.total_seqs = float((mask_all.sum(-1) > 0).sum())
         self.use_cached = adapter in data.prox
-        self.factor = factor.to(self.dev)
         self.new_prox: list[Tensor] = []
         self.stats = _Stats(self.dev)
+        self.done = 0  # leading micro-batches already streamed (see stream and resume)
+        self.side: dict[Tensor, Tensor] = {}  # their gradients, unnormalised
+        self.inject: list[tuple[Tensor, Tensor]] = []  # ... times 1/total, for the next backward
+        self._bind(data, factor)
+
+    def _bind(self, data: StepData, factor: Tensor) -> None:
+        """Train on ``data``: its rows' totals give each micro-batch its share of the loss."""
+        self.data = data
+        mask_all = data.batch.resp_mask[data.rows[self.adapter]]
+        self.total_tokens = float(mask_all.sum())
+        self.total_seqs = float((mask_all.sum(-1) > 0).sum())
+        self.factor = factor.to(self.dev)
+
+    def stream(self, data: StepData, c: Tensor, offset: int) -> None:
+        """Forward/backward of the next micro-batch ``c`` of a step whose batch is still arriving
+        (``data``: the part that has). The step's total is not known yet, so its share is left
+        unnormalised (its tokens or sequences), and its gradients go to a side accumulator, outside
+        DeepSpeed (``torch.autograd.grad``: no accumulation hook fires, whatever the ZeRO stage);
+        :meth:`resume` hands them over once the total is known. The HAPPO factor is 1 (only the
+        first adapter of the order streams; teamrl.learner.streaming)."""
+        self._bind(data, torch.ones(data.n_joint))
+        self.total_tokens = self.total_seqs = 1.0
+        self.net.model.train()
+        self.micro_batch(c, offset, self._accumulate)
+        self.net.trainable(None)
+        self.done += 1
+
+    def _accumulate(self, loss: Tensor) -> None:
+        params = [p for p in self.eng.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        for p, g in zip(params, grads, strict=True):
+            if g is not None:
+                acc = self.side.setdefault(p, torch.zeros_like(p, dtype=torch.float32))
+                acc += g.float()
+
+    def resume(self, data: StepData, factor: Tensor) -> AdapterStep:
+        """Continue a streamed step on the whole batch ``data``. The streamed gradients, times
+        1/total, enter the next micro-batch's backward as the term sum(p · G) (whose gradient is G),
+        so DeepSpeed accumulates them wherever its stage keeps gradients; linear, so equal to the
+        whole-batch step up to float rounding. Their loss statistic is scaled alike and their π_prox
+        padded to the batch's response width."""
+        self._bind(data, factor)
+        one = torch.ones((1, 1), dtype=torch.bool)
+        scale = loss_share(self.obj, self.action_level, one, self.total_tokens, self.total_seqs)
+        self.inject = [(p, g * scale) for p, g in self.side.items()]
+        self.side = {}
+        self.stats.acc[0] *= scale
+        width = data.batch.resp_mask.shape[1]
+        self.new_prox = [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in self.new_prox]
+        return self
 
     def run(self, n_micro: int) -> dict[str, float]:
         """The step in ``n_micro`` micro-batches (agreed by every rank); returns its statistics."""
         eng, data = self.eng, self.data
         self.net.model.train()
-        chunks = self.passes.chunks(data.rows[self.adapter], self.adapter)
+        chunks = self.passes.chunks(data.rows[self.adapter], self.adapter, data.batch.row_lengths)
         offset = 0
         for j in range(n_micro):
             eng.set_gradient_accumulation_boundary(j == n_micro - 1)
+            if j < self.done:  # streamed before the batch was complete (resume)
+                offset += len(chunks[j])
+                continue
             if j >= len(chunks):  # dummy micro-batch: same collectives as the other ranks, zero gradient
                 self.dummy()
                 continue
             self.micro_batch(chunks[j], offset)
             offset += len(chunks[j])
+        if self.timeline is not None:
+            self.timeline.enter("optimiser")
         eng.step()
+        if self.timeline is not None:
+            self.timeline.enter("forward_backward")
         if self.new_prox:
             data.prox[self.adapter] = torch.cat(self.new_prox).cpu()
         self.net.trainable(None)
@@ -129,12 +186,13 @@ class AdapterStep:
         out = self.eng(input_ids=dummy, use_cache=False).logits
         self.eng.backward(out.sum() * 0.0)
 
-    def micro_batch(self, c: Tensor, offset: int) -> None:
-        """Forward, loss and backward of rows ``c`` (at ``offset`` in the adapter's rows)."""
+    def micro_batch(self, c: Tensor, offset: int, backward: Callable[[Tensor], None] | None = None) -> None:
+        """Forward, loss and backward of rows ``c`` (at ``offset`` in the adapter's rows); ``backward``
+        (default: the DeepSpeed engine's) takes the micro-batch's share of the loss."""
         batch, dev, obj, s = self.data.batch, self.dev, self.obj, self.s
         mask_cpu = batch.resp_mask[c]
         mask = mask_cpu.to(dev)
-        logp = self.passes.token_logp(batch, c, self.adapter, grad=True)
+        logp = self.passes.token_logp(batch, c, self.adapter, grad=True, engine=backward is None)
         rows = slice(offset, offset + len(c))
         if self.use_cached:
             prox = self.data.prox[self.adapter][rows].to(dev)
@@ -163,7 +221,11 @@ class AdapterStep:
             loss = loss + s.kl_coef * kl
             kl_term = kl.detach() * n_tok
         share = loss_share(obj, self.action_level, mask_cpu, self.total_tokens, self.total_seqs)
-        self.eng.backward(loss * share)
+        scaled = loss * share
+        if self.inject:  # a streamed step's gradients so far (resume)
+            scaled = scaled + sum((p * g.to(p.dtype)).sum() for p, g in self.inject)
+            self.inject = []
+        (backward or self.eng.backward)(scaled)
         w = behaviour_weight(obj, self.action_level, prox, behav, mask)
         n_unit = float(mask_cpu.any(-1).sum()) if self.action_level else n_tok
         self.stats.add(loss.detach() * share, kl_term, terms, unit, w, n_tok, n_unit)

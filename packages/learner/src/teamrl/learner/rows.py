@@ -59,6 +59,11 @@ class RowBatch:
     def n_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def row_lengths(self) -> Tensor:
+        """[N] prompt + response tokens of each row (what a micro-batch pads to its longest of)."""
+        return self.prompt_lens + self.resp_lens
+
     def rows_of(self, adapter: str) -> Tensor:
         return torch.tensor([i for i, a in enumerate(self.adapter_of_row) if a == adapter], dtype=torch.long)
 

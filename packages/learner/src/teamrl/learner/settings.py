@@ -136,6 +136,7 @@ class OptimSettings:
     order: Literal["random", "fixed"] = "random"
     epochs: int = 1
     micro_batch_rows: int = 64
+    micro_batch_tokens: int = 4096
     zero_stage: int = 2
     weight_decay: float = 0.0
     grad_clip: float = 1.0
