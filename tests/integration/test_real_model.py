@@ -46,6 +46,6 @@ def test_real_model_team_trains_two_steps(tmp_path: Path, smollm2_model: Path) -
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [m["step"] for m in metrics] == [0, 1] and metrics[-1]["version"] == 2
     log = (run / "logs" / "rollout-0.log").read_text()
-    live = re.findall(r"adapters v(\d+) live \(probe error ([0-9.e+-]+)", log)
+    live = re.findall(r"adapters v(\d+) live(?: on \S+)? \(probe error ([0-9.e+-]+)", log)
     assert {int(v) for v, _ in live} >= {1, 2}, log[-3000:]
     assert all(float(err) <= 1e-3 for _, err in live)
