@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from teamrl.protocol.config import (
     add_insecure_flag,
     transport_mode,
 )
+from teamrl.protocol.timeline import Timeline
 
 log = logging.getLogger("teamrl.learner")
 
@@ -116,6 +118,9 @@ class LearnerService:
         self.run_dir = run_dir
         self.sample_timeout_s = sample_timeout_s
         self.rank, self.world = init_distributed(device)
+        # where the time goes: RUN/timeline.jsonl under `teamrl run` (teamrl.protocol.timeline)
+        self.timeline = Timeline.from_env(f"learner{'-' + cfg.group if cfg.group else ''}", str(self.rank))
+        self.timeline.enter("setup")
         if model is None and not cfg.base_model:
             from teamrl.learner.modelbuild import build
 
@@ -127,6 +132,7 @@ class LearnerService:
                 json.dumps({**cfg.model_dump(mode="json"), "model": self.model}, indent=1) + "\n"
             )
         self.engine = LearnerEngine(self.model, cfg.adapters, cfg.engine_settings(), device=device)
+        self.engine.timeline = self.timeline  # forward_backward / optimiser within a step
         self._connect(buffer, publish, transport or TransportConfig())
         self.step = 0
         self.version = 0
@@ -153,7 +159,9 @@ class LearnerService:
             socket = WeightsPublisher(
                 publish, latest_endpoint_for(publish), curve=transport.server_curve("learner_weights")
             )
-            self.publisher = AdapterPublisher(socket, self.engine, self.cfg, self.run_dir, self.model)
+            self.publisher = AdapterPublisher(
+                socket, self.engine, self.cfg, self.run_dir, self.model, timeline=self.timeline
+            )
 
     def _rank0_extras(self, tensorboard: Path | None) -> None:
         """Rank 0 only: the LangMARL profile round (``profile_interval``) and TensorBoard files."""
@@ -178,68 +186,62 @@ class LearnerService:
     # --- checkpoints (teamrl.learner.resume) ---------------------------------------------------
 
     def checkpoint(self) -> None:
-        self.checkpoints.save(self.step, self.version)
+        with self.timeline.state("checkpoint"):
+            self.checkpoints.save(self.step, self.version)
 
     # --- data ---------------------------------------------------------------------------------
 
-    def sample(self) -> tuple[list[Any], float]:
+    def sample(
+        self, on_reply: Callable[[list[Any], list[float]], Any] | None = None
+    ) -> tuple[list[Any], float]:
         """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, wait s).
 
         Each reply's Arrow frame is validated once, on arrival, into ``TrajectoryBatch`` es that
         stay columnar down to the tensors (``rows.build_rows``). Their sample weights
         (``SampleReply.weights``, 1 where a reply carries none) are left in ``self.sample_weights``
-        for the train step. A reply that fails its checks is counted and asked for again."""
-        from teamrl.protocol.codec import decode_batches
-        from teamrl.protocol.control import ErrorReply, SampleReply, SampleRequest
-        from teamrl.protocol.errors import PeerTimeout, ProtocolError
-
-        lag = self.cfg.min_policy_version_lag
-        min_version = self.version - lag if lag >= 0 else -1
+        for the train step. A reply that fails its checks is counted and asked for again.
+        ``on_reply(batches, weights)`` runs on each reply as it arrives (a streaming step trains
+        there); its time is not counted as waiting."""
         got: list[Any] = []
-        n_got = 0
+        n_got, busy = 0, 0.0
         self.sample_weights: list[float] = []
         t0 = time.monotonic()
         while n_got < self.cfg.batch_size:
+            self.timeline.enter("sample_wait")
             if self.stop_reason is not None and not got:
                 raise _Stopping
-            if time.monotonic() - t0 > self.sample_timeout_s:
+            if time.monotonic() - t0 - busy > self.sample_timeout_s:
                 raise TimeoutError(f"no data from the buffer for {self.sample_timeout_s:.0f} s")
-            self._request_id += 1
-            req = SampleRequest(  # a learner group: its own agents' steps, staleness by its own versions
-                request_id=self._request_id,
-                batch_size=self.cfg.batch_size - n_got,
-                rank=self.rank,
-                min_policy_version=min_version,
-                agent_ids=list(self.cfg.group_agents) or None,
-                model_id=self.cfg.group or None,
-            )
-            try:
-                reply = self.rpc.call(req)
-                batches = decode_batches(reply.trajectories) if isinstance(reply, SampleReply) else []
-            except PeerTimeout:
-                M.SAMPLE_ERRORS.labels("timeout").inc()
-                log.warning(
-                    "no reply from the buffer at %s: waiting %.0f s for %d more trajectories",
-                    self.rpc.endpoint,
-                    time.monotonic() - t0,
-                    self.cfg.batch_size - n_got,
-                )
+            answer = self._ask(self.cfg.batch_size - n_got, t0)
+            if answer is None:
                 continue
-            except ProtocolError as e:  # counted by the codec; the buffer keeps the rows' groups
-                M.SAMPLE_ERRORS.labels(e.reason).inc()
-                log.warning("unreadable sample reply from the buffer (%s): %s; asking again", e.reason, e)
-                time.sleep(SAMPLE_POLL_S)
-                continue
-            if isinstance(reply, SampleReply):
-                n = sum(len(b) for b in batches)
-                got.extend(batches)
-                n_got += n
-                w = reply.weights if len(reply.weights) == n else [1.0] * n
-                self.sample_weights.extend(float(x) for x in w)
-            elif isinstance(reply, ErrorReply):
-                M.SAMPLE_ERRORS.labels(reply.reason).inc()
-                time.sleep(SAMPLE_POLL_S)
-        return got, time.monotonic() - t0
+            batches, weights = answer
+            got.extend(batches)
+            n_got += len(weights)
+            self.sample_weights.extend(weights)
+            if on_reply is not None:
+                t = time.monotonic()
+                self.timeline.enter("forward_backward")
+                on_reply(batches, weights)
+                busy += time.monotonic() - t
+        return got, time.monotonic() - t0 - busy
+
+    def _ask(self, n: int, t0: float) -> tuple[list[Any], list[float]] | None:
+        """One ``SampleRequest`` for ``n`` more trajectories: (batches, one weight per trajectory), or
+        None when none came (a refusal, a timeout, an unreadable reply: counted, and waited out)."""
+        from teamrl.protocol.control import SampleRequest
+
+        lag = self.cfg.min_policy_version_lag
+        self._request_id += 1
+        req = SampleRequest(  # a learner group: its own agents' steps, staleness by its own versions
+            request_id=self._request_id,
+            batch_size=n,
+            rank=self.rank,
+            min_policy_version=self.version - lag if lag >= 0 else -1,
+            agent_ids=list(self.cfg.group_agents) or None,
+            model_id=self.cfg.group or None,
+        )
+        return ask_buffer(self.rpc, req, t0)
 
     # --- publishing (teamrl.learner.publish) ---------------------------------------------------
 
@@ -283,6 +285,7 @@ class LearnerService:
                     row = self.one_step(t_begin)
                 except _Stopping:
                     break
+                self.timeline.enter("metrics")
                 if metrics_f is not None:
                     metrics_f.write(json.dumps(row) + "\n")
                     metrics_f.flush()
@@ -316,6 +319,7 @@ class LearnerService:
         if self.cfg.linger_s > 0:
             log.info("done: serving v%d for up to %.0f s (until SIGTERM)", self.version, self.cfg.linger_s)
         deadline = time.monotonic() + self.cfg.linger_s
+        self.timeline.enter("idle")
         while self.stop_reason is None and time.monotonic() < deadline:
             time.sleep(0.2)
 
@@ -324,13 +328,13 @@ class LearnerService:
         from teamrl.learner.rows import StepColumns
 
         t0 = time.perf_counter()
-        trajectories, waited = self.sample()  # TrajectoryBatch es: columns, no object per step
+        trajectories, waited, metrics_of_step = self._sample_and_train()
         M.SAMPLE_WAIT_SECONDS.observe(waited)
-        steps = StepColumns.of(trajectories)
+        steps = StepColumns.of(trajectories)  # TrajectoryBatch es: columns, no object per step
         own = steps.versions_of(self.cfg.group_agents or None)  # a group: its base's versions only
         observe_lags(own, self.version)
-        metrics_of_step = self._train(trajectories)
         self.step += 1
+        self.timeline.enter("profile")
         profile_row = self._profile_round(trajectories)
         pub: dict[str, float] = {}
         if self.cfg.train_weights and self.step % self.cfg.publish_interval == 0:
@@ -351,19 +355,27 @@ class LearnerService:
             **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
         }
 
-    def _train(self, trajectories: list[Any]) -> dict[str, Any]:
-        """One train step on the sample (none with ``train_weights`` off); its metrics."""
-        if not self.cfg.train_weights:
-            return {}
+    def _sample_and_train(self) -> tuple[list[Any], float, dict[str, Any]]:
+        """Sample and train one step (no training with ``train_weights`` off): the sample, the time
+        spent waiting for it, the step's metrics. With ``stream_micro_batches`` the first
+        micro-batches train while the rest of the sample arrives (teamrl.learner.streaming)."""
         # the weights held now are exactly version ``self.version`` only right after a publish
         fresh = self.version if self.step % self.cfg.publish_interval == 0 else None
-        return self.engine.train_step(
-            trajectories,
-            self.step,
-            self.version,
-            fresh_version=fresh,
-            weights=getattr(self, "sample_weights", None),
-        ).metrics
+        if not self.cfg.train_weights:
+            return (*self.sample(), {})
+        if self.cfg.stream_micro_batches:
+            from teamrl.learner.streaming import StreamingStep
+
+            stream = StreamingStep(self.engine, self.step, self.version, fresh)
+            trajectories, waited = self.sample(stream.add)
+            self.timeline.enter("forward_backward")
+            return trajectories, waited, stream.finish().metrics
+        trajectories, waited = self.sample()
+        self.timeline.enter("forward_backward")
+        res = self.engine.train_step(
+            trajectories, self.step, self.version, fresh_version=fresh, weights=self.sample_weights
+        )
+        return trajectories, waited, res.metrics
 
     def _profile_round(self, trajectories: list[Any]) -> dict[str, float]:
         """A LangMARL profile round when one is due (published on rank 0); the profile version."""
@@ -375,6 +387,7 @@ class LearnerService:
         return {"profile_version": float(getattr(self.profiles.latest(), "version", 0))}
 
     def close(self) -> None:
+        self.timeline.close()
         if self.tb is not None:
             self.tb.close()
         self.rpc.close()
@@ -384,6 +397,41 @@ class LearnerService:
 
 class _Stopping(Exception):
     """A stop was asked for while waiting for data: leave the loop without a partial step."""
+
+
+def ask_buffer(rpc: Any, req: Any, t0: float) -> tuple[list[Any], list[float]] | None:
+    """Send one ``SampleRequest``: (batches, one weight per trajectory), or None when none came (a
+    refusal, a timeout, an unreadable reply: counted, and waited out). ``t0``: when the step began
+    asking (for the log line)."""
+    from teamrl.protocol.codec import decode_batches
+    from teamrl.protocol.control import ErrorReply, SampleReply
+    from teamrl.protocol.errors import PeerTimeout, ProtocolError
+
+    try:
+        reply = rpc.call(req)
+        batches = decode_batches(reply.trajectories) if isinstance(reply, SampleReply) else []
+    except PeerTimeout:
+        M.SAMPLE_ERRORS.labels("timeout").inc()
+        log.warning(
+            "no reply from the buffer at %s: waiting %.0f s for %d more trajectories",
+            rpc.endpoint,
+            time.monotonic() - t0,
+            req.batch_size,
+        )
+        return None
+    except ProtocolError as e:  # counted by the codec; the buffer keeps the rows' groups
+        M.SAMPLE_ERRORS.labels(e.reason).inc()
+        log.warning("unreadable sample reply from the buffer (%s): %s; asking again", e.reason, e)
+        time.sleep(SAMPLE_POLL_S)
+        return None
+    if isinstance(reply, SampleReply):
+        k = sum(len(b) for b in batches)
+        w = reply.weights if len(reply.weights) == k else [1.0] * k
+        return batches, [float(x) for x in w]
+    if isinstance(reply, ErrorReply):
+        M.SAMPLE_ERRORS.labels(reply.reason).inc()
+        time.sleep(SAMPLE_POLL_S)
+    return None
 
 
 # --------------------------------------------------------------------------------------------
