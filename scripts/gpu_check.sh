@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The learner's checks on a CUDA machine, in one go (README, "The learner on a GPU"):
+# The learner's checks on a CUDA machine, in one go (docs/gpu.md):
 #   1. the `gpu`-marked engine tests (train step, checkpoint + resume, export + probe-verified PEFT load)
 #   2. tests/bench/learner.py on a random-initialised Qwen2.5-0.5B-shaped model, bf16, at
 #      16 rows x (256 + 256) tokens (push of a rank-16 adapter) and 32 x (256 + 768) (rank 8),

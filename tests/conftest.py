@@ -1,14 +1,14 @@
 """Suite-wide fixtures.
 
-``embedded_model``: the embedded default model (README, "The embedded default model"), built once per
+``embedded_model``: the embedded default model (docs/models.md, "The embedded default model"), built once per
 session into ``$TEAMRL_CACHE`` (default ``~/.cache/teamrl``). Every test that needs it, in-process or
 through a service it starts, depends on this fixture (usually ``pytestmark =
 pytest.mark.usefixtures("embedded_model")``), so the suite passes from an empty cache in any test order
 and no test relies on a cache left by an earlier run. The build takes a file lock: two pytest runs (or a
 test and a ``teamrl`` command) on the same cache never write the same half-built folder.
-``embedded_text_model``: the same for the embedded-text model (README, "The embedded-text model");
-``embedded_llama_model``: for the Llama-architecture build (README, "Teams of different models");
-``embedded_checker_model``: for the addition checker (README, "Verifier learning").
+``embedded_text_model``: the same for the embedded-text model (docs/models.md, "The embedded-text model");
+``embedded_llama_model``: for the Llama-architecture build (docs/teams.md);
+``embedded_checker_model``: for the addition checker (docs/verifier-learning.md).
 """
 
 from __future__ import annotations

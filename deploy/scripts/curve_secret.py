@@ -9,7 +9,7 @@ the Secret at ``/etc/teamrl-curve`` and reads it through the ``[transport]`` tab
 which socket follows from the roles (``teamrl.protocol.curve.ALLOWED``): buffer data <- rollout;
 buffer RPC <- learner, rollout, admin (only admin may Drain/Shutdown); learner weights PUB and
 "latest" <- rollout, admin. A peer without an allowed key, or a plaintext one, is refused and
-counted in ``teamrl_protocol_auth_refused_total{socket,reason}`` (README, "Security").
+counted in ``teamrl_protocol_auth_refused_total{socket,reason}`` (docs/transport-security.md).
 
 First install (the base ships the Secret empty; with it empty every pod fails at start)::
 

@@ -1,4 +1,4 @@
-"""The team whose verifier learns (README, "Verifier learning"), over several seeds on one machine.
+"""The team whose verifier learns (docs/verifier-learning.md), over several seeds on one machine.
 
     python tests/bench/checked_team.py [--seeds 5] [--steps 40] [--out DIR]
 
@@ -101,7 +101,7 @@ def write_docs(folder: Path, summary: dict) -> None:
     lines = [
         f"# addition-duo-checked over {n} seeds ({steps} steps each)",
         "",
-        'Written by `tests/bench/checked_team.py` (`make results`); README, "Verifier learning".',
+        "Written by `tests/bench/checked_team.py` (`make results`); docs/verifier-learning.md.",
         "",
         f"| figure | mean ± 95 % CI over {n} seeds |",
         "|---|---|",

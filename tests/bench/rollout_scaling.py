@@ -6,7 +6,7 @@ every service reports /readyz, generated tokens (sum of ``teamrl_rollout_tokens_
 services) and episodes received are counted over ``--window`` seconds. The last line is
 ``rollout_scaling=<float>``: throughput with the most services over throughput with one. On a
 machine with C cores and services that each want all of them, expect about 1.0: the services share
-the cores (see the README). Prints figures; asserts nothing.
+the cores (see docs/results.md). Prints figures; asserts nothing.
 
 ``--bind split`` (default) gives service i its own share of the cores through
 ``VLLM_CPU_OMP_THREADS_BIND``, as pods with their own cpusets have (one service keeps vLLM's

@@ -63,7 +63,7 @@ from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
 HWM = 64
 WINDOW = 16
 PATHS = ("raw", "codec", "pickle", "peer", "frames", "enc-only", "dec-only")
-GEN_RATE = 1779.0  # tokens/s of the rollout engine on 2 cores (tests/bench/rollout.py, README)
+GEN_RATE = 1779.0  # tokens/s of the rollout engine on 2 cores (tests/bench/rollout.py, docs/results.md)
 
 
 def make_batches(n_batches: int, steps_per_batch: int, tokens: int) -> list[list]:

@@ -25,11 +25,11 @@ whether the model can learn to tell right from wrong answers at all, by supervis
    the built model's shape (``--layers``, ``--kv-heads`` change it), warmed up over 50 steps; only the
    ``compare`` formats and ``check`` mean anything there (the base cannot add), e.g.
    ``--init scratch --formats compare,compare-adjacent --steps 3000 --lr 3e-3`` or
-   ``--init scratch --formats check --steps 800 --lr 1e-3`` (README, "Verifier learning"). The
+   ``--init scratch --formats check --steps 800 --lr 1e-3`` (docs/verifier-learning.md). The
    shipped checker is that recipe as a model build (``teamrl model build --kind checker``: the same
    format, prompts with BOS first as rollouts encode them).
 
-Prints figures, asserts none (README, "Verifier learning", quotes a run of it). About 2 minutes per
+Prints figures, asserts none (docs/verifier-learning.md quotes a run of it). About 2 minutes per
 1,000 steps per format on one core.
 """
 

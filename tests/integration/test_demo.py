@@ -1,4 +1,4 @@
-"""``teamrl demo`` (README, "What make demo does"): the packaged config trains addition-duo-checked,
+"""``teamrl demo`` (docs/results.md, "The demo"): the packaged config trains addition-duo-checked,
 the solver on the embedded model and the verifier on the embedded checker, one learner group each.
 A short run finishes; both groups train; held-out rows carry both bases' versions; the verifier
 tells right from wrong answers from v0 on (balanced accuracy: a constant verdict scores 0.5); the

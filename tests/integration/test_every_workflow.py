@@ -5,7 +5,7 @@ Checked for each: every adapter of the workflow is published in every version, t
 each version only after vLLM reproduced the learner's probe (its log line says so), versions are
 monotonic, held-out evaluation rows are written with the workflow's own metrics, and the run's
 resolved config names the workflow's adapters (each with its own rank) and the architecture's LoRA
-target modules. Not checked: that anything learns (the README's measured runs do that).
+target modules. Not checked: that anything learns (the measured runs in docs/results.md do that).
 """
 
 from __future__ import annotations

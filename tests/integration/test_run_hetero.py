@@ -1,4 +1,4 @@
-"""A team of different models under ``teamrl run`` (README, "Teams of different models"): the
+"""A team of different models under ``teamrl run`` (docs/teams.md): the
 solver on the embedded Qwen2 model and the verifier on the embedded Llama model, one learner group
 per base model (the Llama group with two data-parallel ranks, the Qwen2 group with one), one vLLM
 engine per base in the rollout.

@@ -1,7 +1,7 @@
 """`teamrl run` end to end (sync mode): vLLM samples, Arrow over ZeroMQ, DeepSpeed steps, adapters hot-load.
 
 Two learner steps on few tasks: this checks that every stage runs and records what it should, not
-that the team learns (the README's demo figures measure that).
+that the team learns (docs/results.md's demo figures measure that).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def held_out_line(ev: dict) -> str:
 def transport_table(args: argparse.Namespace, run_dir: Path) -> dict[str, dict[str, Any]]:
     """The ``[transport]`` table of ``RUN/config.toml``: CURVE on every link with the run's own keys
     in ``RUN/curve`` (made on the first start, kept on ``--resume``), or nothing with ``--insecure``
-    (services then talk plaintext). README, "Security"; ``teamrl.protocol.curve``."""
+    (services then talk plaintext). docs/transport-security.md; ``teamrl.protocol.curve``."""
     if getattr(args, "insecure", False):
         print("[teamrl] --insecure: services talk plaintext (no CURVE)", flush=True)
         return {}

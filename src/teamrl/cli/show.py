@@ -1,4 +1,4 @@
-"""``teamrl show RUN``: one self-contained HTML report of a run folder (issue 7, item 4).
+"""``teamrl show RUN``: one self-contained HTML report of a run folder.
 
 Multi-agent runs are hard to debug from numbers alone, so next to the reward curves the report
 draws sampled episodes as the graphs they are: one node per agent step (lane = agent, column =

@@ -8,7 +8,7 @@ Each service runs in its own session and process group (its vLLM engine and work
 supervisor ends whole groups: after a service exits or is killed, and before it is restarted, whatever
 is left in its group is SIGKILLed. Each service also gets SIGTERM from the kernel if the supervisor
 itself dies (``PR_SET_PDEATHSIG``, ``teamrl.protocol.children``), and a rollout's own reaper covers its
-children even when it is killed outside a supervisor (README, "Architecture").
+children even when it is killed outside a supervisor (docs/architecture.md §2).
 """
 
 from __future__ import annotations

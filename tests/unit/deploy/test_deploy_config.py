@@ -68,8 +68,8 @@ def _values(args: list[str], flag: str) -> list[str]:
 
 def _role(name: str, w: Doc) -> str:
     """The service a workload runs (a key of PORT_NAMES): the base's three are named after theirs;
-    any other workload must be a further learner group of a team of different models (README,
-    "Teams of different models"): `teamrl learner --group MODEL_ID` in its own StatefulSet."""
+    any other workload must be a further learner group of a team of different models
+    (docs/teams.md): `teamrl learner --group MODEL_ID` in its own StatefulSet."""
     if name in PORT_NAMES:
         return name
     args = _container(w)["args"]

@@ -1,8 +1,8 @@
 """The hetero overlay deploys a team of different models: one learner group per base model.
 
 Design: the addition-duo-hetero workflow puts the solver on ``embedded-v1`` and the verifier on
-``embedded-llama``; a team of different models is trained by one learner group per base (README,
-"Teams of different models"). In the cluster each group is its own StatefulSet with its own
+``embedded-llama``; a team of different models is trained by one learner group per base
+(docs/teams.md). In the cluster each group is its own StatefulSet with its own
 rendezvous, publish endpoint and run folder, started as ``teamrl learner --group <model id>``, and
 every rollout follows every group (``--weights <model id>=<rank 0>:<publish port>``). What breaks
 at run time, and is checked here on the rendered overlay: a ``--group`` the config has no table for,

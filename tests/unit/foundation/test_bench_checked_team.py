@@ -1,5 +1,5 @@
 """``tests/bench/checked_team.py`` reads a run's held-out rows into the figures it reports (the bench
-itself trains for minutes per seed; README, "Verifier learning", quotes a run of it)."""
+itself trains for minutes per seed; docs/verifier-learning.md quotes a run of it)."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def test_eval_serves_a_team_of_two_base_models_each_with_its_adapters(tmp_path: 
 @pytest.mark.slow
 @pytest.mark.usefixtures("embedded_model", "embedded_checker_model")
 def test_the_checked_trio_retries_on_a_verifier_that_checks() -> None:
-    """addition-trio-checked on base weights (README, "Verifier learning"): its checker tells right
+    """addition-trio-checked on base weights (docs/verifier-learning.md): its checker tells right
     from wrong (a constant verdict scores 0.5), so sending rejected answers back pays."""
     res = _eval("--workflow", "addition-trio-checked", "--num-tasks", "30", "--n", "2", "--k", "1,2")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

@@ -1,5 +1,5 @@
 """A team of different models is planned as one learner group per base model before anything starts
-(README, "Teams of different models"): the plan's bases, the [groups.<id>] tables and the learner's
+(docs/teams.md): the plan's bases, the [groups.<id>] tables and the learner's
 ``--group`` view of them, the services and their wiring, and every refusal, in well under a second."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``teamrl run`` authenticates its links by default: the run's keys in RUN/curve (made once, kept
 on --resume) and a ``[transport]`` table in RUN/config.toml that the buffer, learner and rollout
-read from ``--config``; ``--insecure`` turns it off. README, "Security"."""
+read from ``--config``; ``--insecure`` turns it off. docs/transport-security.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 chromium binary is installed) that a real browser renders the episode graphs.
 
 ``TEAMRL_SHOW_EXAMPLE_PNG=docs/show_example.png pytest tests/unit/foundation/test_show.py -k chromium``
-also writes the README screenshot from the same synthetic run.
+also writes docs/running.md's screenshot from the same synthetic run.
 """
 
 from __future__ import annotations

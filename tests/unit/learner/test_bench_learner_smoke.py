@@ -1,6 +1,6 @@
 """``tests/bench/learner.py`` keeps running on the CPU (tiny sizes, no timing asserted).
 
-The GPU figures in the README come from this bench (``scripts/gpu_check.sh``); this keeps its code
+The GPU figures in docs/gpu.md come from this bench (``scripts/gpu_check.sh``); this keeps its code
 paths (update rounds, profile, weight push with the probe check, ``--push-rank``) working where CI runs.
 """
 

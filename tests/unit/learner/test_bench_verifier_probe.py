@@ -1,6 +1,6 @@
 """``tests/bench/verifier_probe.py`` keeps running (a few steps of each format; no figure asserted).
 
-The README's "Verifier learning" quotes a full run of it; this keeps its code paths working where CI runs.
+docs/verifier-learning.md quotes a full run of it; this keeps its code paths working where CI runs.
 """
 
 from __future__ import annotations

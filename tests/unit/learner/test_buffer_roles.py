@@ -1,4 +1,4 @@
-"""Authorisation by role on the buffer's RPC socket (README, "Security"; the rights are
+"""Authorisation by role on the buffer's RPC socket (docs/transport-security.md; the rights are
 ``teamrl.protocol.curve.BUFFER_RPC_RIGHTS``): with the run's CURVE keys, every (role, message) pair
 outside the role's rights is refused with a typed ``ErrorReply`` (``not_authorised``, or
 ``not_admin`` for Drain/Shutdown), counted in ``teamrl_protocol_auth_refused_total``, logged once per

@@ -1,4 +1,4 @@
-"""``teamrl model build --kind checker`` (README, "Verifier learning"): the recipe's folder, its cache
+"""``teamrl model build --kind checker`` (docs/verifier-learning.md): the recipe's folder, its cache
 key, the ids it is trained on (BOS first, as rollouts encode them), and that the built checker checks."""
 
 from __future__ import annotations

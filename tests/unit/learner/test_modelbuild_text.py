@@ -1,7 +1,7 @@
 """embedded-text: deterministic build, an ordinary Hugging Face folder, other families, LoRA targets.
 
 The builds here use a couple of warm-start steps and no accuracy measure (the full build's figures are
-in its ``teamrl_model.json`` and the README); determinism is checked on the tokenizer file and every
+in its ``teamrl_model.json`` and docs/models.md); determinism is checked on the tokenizer file and every
 weight tensor.
 """
 

@@ -3,7 +3,7 @@ and the ``[transport]`` helpers every service uses: buffer data ingest, buffer s
 weights PUB/SUB and the learner's "latest" RPC. On each, the allowed role gets through; a client
 with an unknown key, a client holding another role's key, and a plaintext (NULL) client get nothing
 through, and each refusal is counted in ``teamrl_protocol_auth_refused_total{socket, reason}``
-(README, "Security"; ``teamrl.protocol.curve.ALLOWED`` says who may dial what)."""
+(docs/transport-security.md; ``teamrl.protocol.curve.ALLOWED`` says who may dial what)."""
 
 from __future__ import annotations
 

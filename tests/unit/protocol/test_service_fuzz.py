@@ -1,5 +1,6 @@
-"""Structure-aware fuzzing of every control message type and every service socket (README,
-"Security"; issue 19 item 5), with hypothesis, derandomized so CI runs the same cases every time.
+"""Structure-aware fuzzing of every control message type and every service socket
+(docs/transport-security.md; issue 19 item 5), with hypothesis, derandomized so CI runs the same cases
+every time.
 
 Inputs: valid-shaped control messages with hostile values (integer edges up to 2**64-1, NaN/inf,
 wrong types, missing/extra fields, a wrong ``type`` tag, strings, arrays and maps at and just over
@@ -15,7 +16,7 @@ reachable; a ``WeightsPublisher`` for the learner's "latest" RPC; the rollout's 
 a stub service), so the RSS measured is the server's own, not the fuzzer's. After every example the
 server answers a valid request on the same connection (a sentinel that also orders the exchange) and
 is still alive; after the run its RSS may have grown at most ``RSS_GROWTH_MB`` over its RSS after a
-warm-up exchange. Measured (``-s`` prints ``fuzz:`` lines): see README, "Security"."""
+warm-up exchange. Measured (``-s`` prints ``fuzz:`` lines): see docs/transport-security.md."""
 
 from __future__ import annotations
 

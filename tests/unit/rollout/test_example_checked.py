@@ -1,4 +1,4 @@
-"""The shipped addition-{duo,trio}-checked workflows (README, "Verifier learning"): they load by name,
+"""The shipped addition-{duo,trio}-checked workflows (docs/verifier-learning.md): they load by name,
 their verifier reads the candidate first and has room for a worked check, the trio routes back on a
 rejecting check only, and a worked check's verdict is scored as the verdict it ends with."""
 

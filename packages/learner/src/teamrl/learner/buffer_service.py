@@ -17,7 +17,7 @@ Why acks wait for a checkpoint: the (incarnation, seq) table that de-duplicates 
 the checkpoint, so a frame acked before it would come back after a crash as new data. A frame that
 fails to decode is refused at once (negative ack, counted by reason); the loop goes on.
 
-Who may do what (README, "Security"): ``Drain``/``Shutdown`` are obeyed only on the operator's
+Who may do what (docs/transport-security.md): ``Drain``/``Shutdown`` are obeyed only on the operator's
 admin socket (``admin_bind``, by default ``ipc://DIR/admin.sock``, mode 0600: local only) or from a
 peer holding the CURVE ``admin`` key; from anyone else they are refused (``not_admin``) and counted
 in ``teamrl_protocol_auth_refused_total{socket="buffer_rpc"}``. With CURVE on, every RPC message is

@@ -11,8 +11,8 @@ engine: the settings' fields are named after this config's fields.
 Per-agent overrides are keyed by *adapter name*: agents that share an adapter share its parameters,
 so they necessarily share its optimiser settings too (the rollout workflow defines the
 agent -> (base model, adapter) mapping). A learner process serves exactly one base model
-(``base_model``); a team of different models runs one learner group per base model (README, "Teams
-of different models"), each with its own ``adapters``, ``--publish`` endpoint and version sequence:
+(``base_model``); a team of different models runs one learner group per base model
+(docs/teams.md), each with its own ``adapters``, ``--publish`` endpoint and version sequence:
 its table is ``[learner]`` with ``[groups.<model id>]`` merged over it (``--group``), and ``group``
 / ``group_agents`` make it sample only its agents' steps and judge staleness by its own versions.
 """

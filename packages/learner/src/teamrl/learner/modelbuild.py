@@ -8,7 +8,7 @@ warm-start (a fixed number of steps, so the build is repeatable) teaches it the 
 addition, leaving headroom for RL to show learning within minutes on 2 CPU cores. Repeatable means on
 one machine: two builds here agree, but float reductions differ between CPUs and library builds and
 600 steps at lr 3e-3 amplify that (held-out solver accuracy 0.42 on one machine, 0.695 on another;
-README, "The embedded default model").
+docs/models.md, "The embedded default model").
 
 The folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json`` + ``tokenizer_config.json``,
 ``generation_config.json`` and ``teamrl_model.json`` (build parameters and the warm-start accuracy), and is
@@ -70,8 +70,8 @@ def default_llama_model_dir() -> Path:
 def build_llama(
     out: Path | None = None, steps: int = DEFAULT_STEPS, seed: int = 0, force: bool = False
 ) -> Path:
-    """The embedded model's recipe on a Llama-architecture network (README, "Teams of different
-    models"): a second base model of another family, to put next to the Qwen2 one in one team."""
+    """The embedded model's recipe on a Llama-architecture network (docs/teams.md): a
+    second base model of another family, to put next to the Qwen2 one in one team."""
     return build(out or default_llama_model_dir(), steps=steps, seed=seed, force=force, arch="llama")
 
 
@@ -80,7 +80,7 @@ def default_checker_model_dir() -> Path:
     return default_model_dir().with_name(f"embedded-checker-v{BUILD_VERSION}")
 
 
-# The checker's recipe (README, "Verifier learning"): from scratch at lr 1e-3 (at the build's 3e-3
+# The checker's recipe (docs/verifier-learning.md): from scratch at lr 1e-3 (at the build's 3e-3
 # this shape does not learn to compare digits at a distance), stopped short of a perfect check so
 # that RL has something left to improve.
 CHECKER_STEPS = 800

@@ -8,7 +8,7 @@ log-probs); :class:`AdapterStep` runs one adapter's step for the ``step_fn`` the
 Design decisions:
 
 * **Statistics stay on the device** as tensors and are read back once at the end: a ``float()`` per
-  statistic and micro-batch was a host/device synchronisation each (tests/bench/learner.py, README).
+  statistic and micro-batch was a host/device synchronisation each (tests/bench/learner.py, docs/gpu.md).
   Token counts come from the CPU copy of the mask, which needs no synchronisation.
 * **π_prox** is the adapter before this step's update: the detached log-probs of the first epoch's
   training forward (with one optimiser step per epoch they are exactly the pre-update ones), so no

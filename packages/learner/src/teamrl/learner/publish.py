@@ -37,7 +37,7 @@ def probe_atol(dtype: str) -> float:
     2**-6, and the learner (DeepSpeed casts the LoRA weights to bf16) and a receiver computing the same
     adapter with other kernels (PEFT keeps LoRA weights in float32) differ by a few such steps:
     measured on an H200 with a Qwen2.5-0.5B-shaped model, up to 0.029 on log-probs near -12
-    (``tests/bench/learner.py``, README). A wrong or stale adapter moves log-probs by more.
+    (``tests/bench/learner.py``, docs/gpu.md). A wrong or stale adapter moves log-probs by more.
     """
     return 8 * BF16_EPS if dtype == "bfloat16" else 1e-3
 

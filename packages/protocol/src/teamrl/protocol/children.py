@@ -2,7 +2,7 @@
 
 A service's children (vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` under a rollout, a compiler
 under a learner) are re-parented to PID 1 when the service dies without closing them, e.g. on SIGKILL,
-and keep their memory and ports (README, "Architecture"). Two mechanisms, both Linux-only (elsewhere
+and keep their memory and ports (docs/architecture.md §2). Two mechanisms, both Linux-only (elsewhere
 they do nothing):
 
 * ``set_parent_death_signal(sig)`` (``prctl(PR_SET_PDEATHSIG)``): the calling process gets ``sig``

@@ -38,7 +38,7 @@ PROTOCOL_VERSION = 1
 # is ``SampleReply.weights`` (<= 65,536 = max batch_size); the largest map is a few agent ids;
 # the longest string a profile (65,536 characters, <= 4 bytes each). Per message: no schema nests
 # more than a handful of containers, so ``MAX_CONTAINERS`` caps them all and ``MAX_ITEMS`` caps
-# the elements of all of them together (measured worst case: see README, "Security").
+# the elements of all of them together (measured worst case: see docs/transport-security.md).
 MAX_CONTROL_BYTES = 256 * 1024 * 1024  # a SampleReply of a large batch, or inline adapter chunks
 MAX_STR_LEN = 256 * 1024
 MAX_ARRAY_LEN = 65_536

@@ -7,7 +7,7 @@ sockets; the learner's weights PUB and "latest" sockets) and clients (the learne
 buffer); ``rollout`` is a client of both; ``admin`` is the operator's key, the only one besides the
 buffer's local admin socket that may send ``Drain``/``Shutdown``.
 
-Who may connect (the ZAP allow-list each server socket gets; README, "Security"):
+Who may connect (the ZAP allow-list each server socket gets; docs/transport-security.md):
 
 * buffer data (trajectories in): ``rollout``
 * buffer RPC (sample, stats, hello/heartbeat, drain/shutdown): ``learner``, ``rollout``, ``admin``;

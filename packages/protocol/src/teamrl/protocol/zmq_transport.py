@@ -334,7 +334,8 @@ class ZmqDataSender:
         While ``window`` frames are un-acked this waits for an ack, logging every ``WAIT_LOG_S``
         which endpoint it waits for and for how long. The wait ends with ``PeerTimeout`` (the frame
         not taken: the caller still owns it) after ``timeout_s`` or as soon as ``stop()`` is true, so
-        a producer whose receiver is gone can still stop (README, "Architecture", rollout SIGTERM)."""
+        a producer whose receiver is gone can still stop (docs/running.md, "The services",
+        rollout SIGTERM)."""
         if len(self._unacked) >= self.window:
             self._wait_for_credit(timeout_s, stop)
         seq = self._next_seq

@@ -73,8 +73,8 @@ def solver_reward(task: dict, response: str) -> float:
 
 def verifier_verdict(response: str) -> bool | None:
     """``1`` accept, ``0`` reject: the character before the first ``;``, so a verifier may write its
-    check out first (``052==R0;``: the sum, a mark per digit, the verdict; README, "Verifier
-    learning"); None when that character is neither."""
+    check out first (``052==R0;``: the sum, a mark per digit, the verdict;
+    docs/verifier-learning.md); None when that character is neither."""
     head = response.split(EOS, 1)[0].strip()
     return {"1": True, "0": False}.get(head[-1:])
 
@@ -115,7 +115,7 @@ def _examples(rng: random.Random, tasks: list[dict], n: int, judged) -> list[tup
 
 def check_prompt(task: dict, candidate: str) -> str:
     """The checker's prompt: the candidate first, then the question (``V058?07+45=``), so the sum it
-    writes follows ``07+45=`` as in the solver's prompt (README, "Verifier learning")."""
+    writes follows ``07+45=`` as in the solver's prompt (docs/verifier-learning.md)."""
     return "V" + candidate + "?" + task["question"]
 
 

@@ -1,4 +1,4 @@
-"""Policy improvement in language space (LangMARL; README, "Architecture"): agent profiles.
+"""Policy improvement in language space (LangMARL; docs/running.md, "The services"): agent profiles.
 
 A *profile* is an agent's system prompt, the text parameter of its policy. One improvement round
 reads replayed graph trajectories with their credits (``AgentStep.reward``) and critiques

@@ -40,7 +40,7 @@ the original classes in ``__mro__``), read world-readable files, write wherever 
 may, and, when the parent is root, ``RLIMIT_NPROC`` is not enforced at all (the kernel exempts
 root). Per-file size is capped but not the number of files. It stops accidents and casual reward
 hacking; the namespace layer is what holds against a ``ctypes`` ``fork()``, a ``kill`` of a host
-pid, or a write to ``/tmp`` (README, "Security").
+pid, or a write to ``/tmp`` (docs/transport-security.md).
 
 How the result is reported: the harness writes JSON lines, each carrying a random per-run nonce,
 to a private pipe (not stdout). The candidate is executed first; then each test step, and a

@@ -12,7 +12,7 @@ Design decisions:
   (``add_special=False``) and appended to the ids the model already saw; nothing is re-tokenised
   between agents or tool rounds, so the ids recorded in a step are exactly what was sampled from.
 * **Three implementations.** :class:`CharTokenizer` is the embedded model's character vocabulary
-  (``teamrl.cli.run.encode``: BOS then one id per character; its ``tokenizer.json`` does *not* add
+  (``CharTokenizer.encode``: BOS then one id per character; its ``tokenizer.json`` does *not* add
   the BOS, so the embedded folder is always read with this class). :class:`HFTokenizer` wraps a
   HuggingFace tokenizer folder through ``transformers.AutoTokenizer`` (imported on first use) and
   renders prompts with ``apply_chat_template`` when the folder has a template.

@@ -296,7 +296,7 @@ def load_config(path: str | None, overrides: list[str]) -> RolloutConfig:
 
 def load_transport(path: str | None) -> TransportConfig:
     """The ``[transport]`` table of ``path`` (none: defaults, CURVE off), the table the buffer and
-    learner read too (README, "Security"). With CURVE on, the rollout's keys are read here, so a
+    learner read too (docs/transport-security.md). With CURVE on, the rollout's keys are read here, so a
     missing key fails before the engine starts."""
     from teamrl.protocol.curve import CurveKeyError
 

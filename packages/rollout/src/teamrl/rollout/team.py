@@ -43,8 +43,8 @@ HELD_OUT_SPLITS = {"addition": "addition-held-out", "math-word": "math-word-held
 
 @dataclass(frozen=True)
 class BasePlan:
-    """One base model of the team and what its learner group trains (README, "Teams of different
-    models"): the adapters of the agents that run on it, checked against its own folder."""
+    """One base model of the team and what its learner group trains (docs/teams.md): the
+    adapters of the agents that run on it, checked against its own folder."""
 
     model_id: str  # the workflow's id of the base model (models.<id>)
     model_dir: Path

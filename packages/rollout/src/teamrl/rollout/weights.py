@@ -170,7 +170,7 @@ class WeightsApplier:
 
     def _check_base(self, msg: Any) -> None:
         """Every announced adapter is one the workflow trains on this link's base model: a learner
-        group configured for another workflow or base (README, "Teams of different models") is
+        group configured for another workflow or base (docs/teams.md) is
         refused (``wrong_base``), naming the adapter, its agents and both models."""
         from teamrl.rollout.engine import AdapterRefused
 
