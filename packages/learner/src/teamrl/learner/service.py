@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_transport(path: str | None) -> TransportConfig:
     """The ``[transport]`` table of ``--config`` (none: defaults, CURVE off), the same table the
-    buffer and rollouts read (``teamrl.protocol.config.TransportConfig``; README, "Security").
+    buffer and rollouts read (``teamrl.protocol.config.TransportConfig``; docs/transport-security.md).
     With CURVE on, the key files are read here, so a missing key fails before any model loads."""
     from teamrl.protocol.configfile import load_section
     from teamrl.protocol.curve import CurveKeyError
