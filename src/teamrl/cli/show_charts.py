@@ -246,7 +246,8 @@ class Lane:
 
     @property
     def busy_fraction(self) -> float:
-        """Share of the lane's counted time (all but ``UNCOUNTED``) in working states."""
+        """Share of the lane's counted time (all but ``UNCOUNTED``) in working states (``steady``
+        lanes: after every service's start-up)."""
         from teamrl.protocol.timeline import IDLE_STATES  # here: `teamrl show --help` imports no pyarrow
 
         counted = self.seconds() - self.seconds(UNCOUNTED)
@@ -268,8 +269,24 @@ def lanes(records: list[dict[str, Any]]) -> tuple[list[Lane], float]:
     return [Lane(n, by[n]) for n in names], t_start
 
 
+def steady(found: list[Lane]) -> list[Lane]:
+    """The lanes from the moment every service is past its start-up on (a learner that waits for
+    data while a rollout still loads vLLM is not what makes a run rollout- or learner-bound)."""
+    t_up = max((t + d for ln in found for t, d in ln.spans.get("setup", [])), default=0.0)
+    out = []
+    for ln in found:
+        spans = {
+            s: [(max(t, t_up), t + d - max(t, t_up)) for t, d in xs if t + d > t_up]
+            for s, xs in ln.spans.items()
+            if s not in UNCOUNTED
+        }
+        out.append(Lane(ln.name, {s: xs for s, xs in spans.items() if xs}))
+    return out
+
+
 def verdict(found: list[Lane]) -> str:
-    """Which side waited on the other, and by how much (the summary's sentence)."""
+    """Which side waited on the other, and by how much (the summary's sentence), after start-up."""
+    found = steady(found)
 
     def waiting(kind: str, states: set[str]) -> float | None:
         picked = [ln for ln in found if ln.name.startswith(kind)]
@@ -301,7 +318,10 @@ def timeline_chart(run: Run) -> str:
             label = _plain(state) if state not in used else None
             ax.broken_barh(spans, (i - 0.4, 0.8), color=color, label=label, gid=f"lane-{next(_ids)}")
             used.add(state)
-    ax.set_yticks(range(len(found)), [f"{_plain(ln.name)} ({ln.busy_fraction:.0%} busy)" for ln in found])
+    busy = [ln.busy_fraction for ln in steady(found)]
+    ax.set_yticks(
+        range(len(found)), [f"{_plain(ln.name)} ({b:.0%} busy)" for ln, b in zip(found, busy, strict=True)]
+    )
     ax.invert_yaxis()
     ax.tick_params(labelsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -324,6 +344,6 @@ def busy_summary(run: Run) -> list[str]:
     found, _ = lanes(run.timeline)
     if not found:
         return []
-    bits = [", ".join(f"{ln.name} {fmt_num(100 * ln.busy_fraction)}% busy" for ln in found)]
+    bits = [", ".join(f"{ln.name} {fmt_num(100 * ln.busy_fraction)}% busy" for ln in steady(found))]
     said = verdict(found)
     return [*bits, said] if said else bits
