@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from teamrl.cli.config import _to_toml
+from teamrl.cli.config import to_toml
 from teamrl.cli.run import parse_args
 from teamrl.cli.run_async import transport_table
 from teamrl.learner.buffer_service import load_transport as buffer_transport
@@ -38,7 +38,7 @@ def test_run_keys_made_once_and_read_by_every_service(tmp_path: Path) -> None:
     assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
 
     cfg = run / "config.toml"
-    cfg.write_text(_to_toml({"learner": {"lr": 1e-4}, "rollout": {"group_size": 4}, **table}) + "\n")
+    cfg.write_text(to_toml({"learner": {"lr": 1e-4}, "rollout": {"group_size": 4}, **table}) + "\n")
     assert tomllib.loads(cfg.read_text())["transport"]["curve"] is True
     for load in (learner_transport, rollout_transport):
         t = load(str(cfg))
