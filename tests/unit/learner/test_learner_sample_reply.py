@@ -11,6 +11,7 @@ from teamrl.learner import service as S
 from teamrl.protocol.codec import TrajectoryBatch, encode_trajectories_buffer
 from teamrl.protocol.control import SampleReply
 from teamrl.protocol.examples import example_trajectories
+from teamrl.protocol.timeline import Timeline
 
 
 class _Buffer:
@@ -30,6 +31,7 @@ def test_an_unreadable_reply_is_counted_and_asked_for_again(monkeypatch) -> None
     svc = S.LearnerService.__new__(S.LearnerService)
     svc.cfg = SimpleNamespace(batch_size=3, min_policy_version_lag=-1, group="", group_agents=[])
     svc.version, svc.rank, svc.stop_reason, svc.sample_timeout_s, svc._request_id = 0, 0, None, 30.0, 0
+    svc.timeline = Timeline("learner", "0", None)  # counters only, no file
     svc.rpc = _Buffer(
         [
             SampleReply.carrying(garbage, request_id=1, count=3, weights=[1.0] * 3),
