@@ -176,3 +176,17 @@ def test_a_service_prints_its_thread_stacks_on_sigusr1() -> None:
         assert "stuck_here" in err and "thread" in err, err
     finally:
         p.kill()
+
+
+def test_a_service_that_exits_with_a_config_error_is_not_restarted(tmp_path: Path, capsys) -> None:
+    """Exit code 2 (bad config or usage: here a buffer started without keys or --insecure) is not
+    something a restart fixes: the run stops at once instead of restarting it three times."""
+    from teamrl.cli.run_async import CONFIG_RC, Watch, restart_or_give_up
+
+    sup = Supervisor()
+    svc = sup.start(Service("buffer", ["buffer", "--dir", str(tmp_path / "buf")], tmp_path / "b.log"))
+    assert svc.proc is not None and svc.proc.wait(timeout=60) == CONFIG_RC
+    watch = Watch()
+    assert restart_or_give_up(sup, watch) is False
+    assert watch.restarts == {} and watch.rc == 1
+    assert "a configuration error, which a restart cannot fix" in capsys.readouterr().err
