@@ -34,3 +34,25 @@ def test_held_out_split_is_disjoint_from_train() -> None:
     assert not {t["skeleton"] for t in other} & {t["skeleton"] for t in held}
     with pytest.raises(ValueError, match="unknown split"):
         wordproblems.generate(3, split="test")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_difficulty_fixes_the_number_of_steps(difficulty: int) -> None:
+    tasks = wordproblems.generate(100, seed=0, difficulty=difficulty)
+    assert tasks == wordproblems.generate(100, seed=0, difficulty=difficulty)
+    for t in tasks:
+        assert wordproblems.check(t), t
+        assert len(t["solution"].splitlines()) == difficulty == len(t["plan"].splitlines())
+
+
+def test_difficulty_one_sets_and_refusals() -> None:
+    train = load_tasks("math-word", difficulty=1)
+    held = load_tasks("math-word-held-out", difficulty=1)
+    assert (len(train), len(held)) == (1000, 100)
+    assert not {t["skeleton"] for t in train} & {t["skeleton"] for t in held}
+    with pytest.raises(ValueError, match="difficulty must be one of"):
+        wordproblems.generate(3, difficulty=4)
+    from teamrl.rollout.spec import WorkflowError
+
+    with pytest.raises(WorkflowError, match="math-word task set only"):
+        load_tasks("search-qa", difficulty=1)

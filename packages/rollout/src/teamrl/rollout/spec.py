@@ -170,6 +170,13 @@ class TaskSource(_Strict):
         "auto", description="record format: auto, plain, gsm8k, math, nq, hotpotqa, humaneval"
     )
     seed: int = 0
+    difficulty: int | None = Field(
+        None,
+        ge=1,
+        le=3,
+        description="math-word only: arithmetic steps per problem, 1 (one add, take-away, multiply or "
+        "share) to 3; none = 2 or 3, the default set (docs/real-model.md, 'Task difficulty')",
+    )
 
 
 def nodes_of(graph: GraphSpec, agents: Sequence[AgentSpec]) -> list[NodeSpec]:

@@ -121,14 +121,19 @@ def load_tasks(
     fmt: str = "auto",
     seed: int = 0,
     n: int = 1000,
+    difficulty: int | None = None,
 ) -> list[dict[str, Any]]:
     """Tasks of a built-in set (``TASK_SETS``) or of a JSONL/Parquet file (``path``, format ``fmt``).
 
     ``addition`` is the training split of ``teamrl.rewards.addition.split_tasks`` (held-out pairs
     excluded; ``addition-held-out`` is the other part); ``math-gen`` is ``n`` generated problems;
     ``math-word`` is ``5 n`` multi-step word problems and ``math-word-held-out`` ``n / 2`` others whose
-    arithmetic never occurs in ``math-word`` (``teamrl.rollout.workflows.wordproblems``).
+    arithmetic never occurs in ``math-word`` (``teamrl.rollout.workflows.wordproblems``);
+    ``difficulty`` (math-word only) fixes their number of steps: at difficulty 1, 1,000 train and 100
+    held-out problems (all but a few of the one-step skeletons there are).
     """
+    if difficulty is not None and source not in ("math-word", "math-word-held-out"):
+        raise WorkflowError(f"tasks.difficulty applies to the math-word task set only, not {source!r}")
     if path is not None:
         return load_task_file(path, fmt)
     if source in ("addition", "addition-held-out"):
@@ -145,7 +150,10 @@ def load_tasks(
 
         # train: 5000 problems by default; held-out: a fixed 500 (skeletons disjoint from train)
         split = "train" if source == "math-word" else "held-out"
-        return wordproblems.generate(n=n * 5 if split == "train" else n // 2, seed=seed, split=split)
+        size = (n, n // 10) if difficulty == 1 else (n * 5, n // 2)
+        return wordproblems.generate(
+            n=size[0] if split == "train" else size[1], seed=seed, split=split, difficulty=difficulty
+        )
     if source == "humaneval":
         return load_task_file(humaneval_source()[0], "humaneval")
     if source == "search-qa":
@@ -160,4 +168,4 @@ def tasks_for(workflow: Workflow, path: str | Path | None = None) -> list[dict[s
         from teamrl.rollout.spec import resolve_data_path
 
         return load_task_file(path if path is not None else resolve_data_path(str(src.path)), src.format)
-    return load_tasks(src.builtin, seed=src.seed)
+    return load_tasks(src.builtin, seed=src.seed, difficulty=src.difficulty)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 HELD_OUT_PERCENT = 10
+DIFFICULTIES = (1, 2, 3)  # arithmetic steps per problem (TaskSource.difficulty)
 MAX_VALUE = 300
 SPLITS = ("train", "held-out")
 
@@ -146,9 +147,10 @@ class _Draft:
         }
 
 
-def _one(rng: random.Random) -> tuple[str, dict[str, Any]] | None:
-    """One random problem as (skeleton key, record without id), or None when a draw is rejected."""
-    n_steps = rng.choice((2, 3))
+def _one(rng: random.Random, steps: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """One random problem as (skeleton key, record without id), or None when a draw is rejected;
+    ``steps`` arithmetic steps (None: 2 or 3, drawn)."""
+    n_steps = rng.choice((2, 3)) if steps is None else steps
     name, pron = rng.choice(NAMES)
     d = _Draft(name, pron, rng.choice(ITEMS))
     _opening(rng, d)
@@ -241,16 +243,26 @@ _STEP_KINDS = {
 
 
 def generate(
-    n: int = 5000, seed: int = 0, split: Literal["train", "held-out"] = "train", max_draws: int | None = None
+    n: int = 5000,
+    seed: int = 0,
+    split: Literal["train", "held-out"] = "train",
+    max_draws: int | None = None,
+    difficulty: int | None = None,
 ) -> list[dict[str, Any]]:
     """``n`` problems of ``split`` (the same arguments always give the same list; no skeleton repeats).
 
-    Raises ``ValueError`` for an unknown split, or when ``max_draws`` draws (default ``200 n + 10000``)
-    do not yield ``n`` distinct problems of the split.
+    ``difficulty``: the arithmetic steps of every problem, 1 to 3 (None: 2 or 3, the default set, as
+    before the setting existed). One-step problems have fewer distinct skeletons: at most ~1,500
+    train and ~150 held-out.
+
+    Raises ``ValueError`` for an unknown split or difficulty, or when ``max_draws`` draws (default
+    ``200 n + 10000``) do not yield ``n`` distinct problems of the split.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} (splits: {list(SPLITS)})")
-    rng = random.Random(f"teamrl-wordproblems-{seed}")
+    if difficulty is not None and difficulty not in DIFFICULTIES:
+        raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
+    rng = random.Random(f"teamrl-wordproblems-{seed}" + (f"-d{difficulty}" if difficulty else ""))
     seen: set[str] = set()
     out: list[dict[str, Any]] = []
     budget = max_draws if max_draws is not None else 200 * n + 10_000
@@ -258,7 +270,7 @@ def generate(
     for _ in range(budget):
         if len(out) >= n:
             break
-        drawn = _one(rng)
+        drawn = _one(rng, difficulty)
         if drawn is None:
             continue
         key, rec = drawn
