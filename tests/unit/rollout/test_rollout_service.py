@@ -154,6 +154,7 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
             "-m",
             "teamrl.cli.main",
             "rollout",
+            "--insecure",  # plaintext links: this test's buffer and publisher have no CURVE keys
             "--buffer",
             data_ep,
             "--weights",
