@@ -59,7 +59,7 @@ async def _run(args: argparse.Namespace) -> dict:
     if ks[-1] > args.n:
         raise SystemExit(f"teamrl eval: k={ks[-1]} > n={args.n}")
     team, folders = _plan(args)
-    bases = _engines(team, args.seed, args.num_tasks * args.n, args.tasks or None)
+    bases = _engines(team, args.seed, args.num_tasks * args.n)
     engines = {m: b.engine for m, b in bases.items()}
     runner = WorkflowRunner(args.workflow, engines, "eval", tasks=args.tasks or "")
     tasks = runner.held_out_tasks(args.num_tasks)
@@ -73,17 +73,14 @@ async def _run(args: argparse.Namespace) -> dict:
     return _report(args, runner, ks, len(tasks), jobs, trajs)
 
 
-def _engines(team: Any, seed: int, sequences: int, tasks: str | None) -> Any:
+def _engines(team: Any, seed: int, sequences: int) -> Any:
     """A vLLM engine (not started) per model the team runs on (:func:`teamrl.cli.plan.served_models`,
-    as a run's rollouts start them), each on its own share of the cores, sized for the workflow's contexts (teamrl.rollout.sizing)."""
-    from teamrl.cli.plan import PlanError, engine_sizes, served_models
+    as a run's rollouts start them), each on its own share of the cores, sized for the workflow's
+    contexts (teamrl.rollout.sizing)."""
+    from teamrl.cli.plan import kv_cache_bytes, served_models
     from teamrl.rollout.bases import Bases, ServedBase
     from teamrl.rollout.engine import EngineConfig
 
-    try:
-        lens, kv = engine_sizes(team, sequences, tasks)
-    except PlanError as e:
-        raise SystemExit(f"teamrl eval: {e}") from None
     plans = {
         m: ServedBase(
             m,
@@ -94,10 +91,12 @@ def _engines(team: Any, seed: int, sequences: int, tasks: str | None) -> Any:
             start_version=0,
             max_model_len=e["max_model_len"],
         )
-        for m, e in served_models(team, lens).items()
+        for m, e in served_models(team).items()
     }
     defaults = EngineConfig(model="")
-    return Bases.build(plans, seed=seed, keep_versions=defaults.keep_versions, kv_cache_bytes=kv)
+    return Bases.build(
+        plans, seed=seed, keep_versions=defaults.keep_versions, kv_cache_bytes=kv_cache_bytes(team, sequences)
+    )
 
 
 def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Path]]:

@@ -202,7 +202,6 @@ def resolved_config(
     data more than ``max_lag`` versions old is dropped, so a rollout starts at most ``(max_lag + 1)
     x tasks_per_step x ranks`` groups per live version (``max_groups_per_version``)."""
     batch = args.tasks_per_step * args.group_size
-    lens, kv = engine_sizes(team, batch, args.tasks or None)
     several = len(team.bases) > 1
     first = next(iter(team.bases.values()))
     cfg = {
@@ -243,13 +242,13 @@ def resolved_config(
             "eval_tasks": args.eval_tasks,
             "reward_scale": reward_scale(args),
             "max_groups_per_version": (args.max_lag + 1) * args.tasks_per_step * ranks,
-            "kv_cache_bytes": kv,
-            **({} if several else {"max_model_len": lens[first.model_id]}),
+            "kv_cache_bytes": kv_cache_bytes(team, batch),
+            **({} if several else {"max_model_len": team.contexts[first.model_id]}),
         },
     }
     if several:
         cfg["groups"] = {m: _base_learner_table(b, several) for m, b in team.bases.items()}
-        cfg["rollout"]["models"] = served_models(team, lens)
+        cfg["rollout"]["models"] = served_models(team)
     return cfg
 
 
@@ -286,41 +285,33 @@ def _base_learner_table(base: Any, several: bool) -> dict[str, Any]:
     return out
 
 
-def engine_sizes(team: Any, sequences: int, tasks_path: str | None = None) -> tuple[dict[str, int], int]:
-    """({model id: max_model_len}, kv_cache_bytes) of the team's engines (teamrl.rollout.sizing): each
-    context from the workflow, one KV cache size for ``sequences`` sequences in flight of the largest
-    context (the engines of a several-base rollout share the setting)."""
+def kv_cache_bytes(team: Any, sequences: int) -> int:
+    """One KV cache size for the team's engines (a several-base rollout shares the setting): the
+    largest context (``team.contexts``) for ``sequences`` sequences in flight (teamrl.rollout.sizing)."""
     from teamrl.rollout import sizing
 
-    try:
-        lens = sizing.team_contexts(team, tasks_path)
-    except sizing.SizingError as e:
-        raise PlanError(f"workflow {team.workflow.name!r}: {e}") from None
-    kv = max(sizing.kv_cache_bytes(team.model_dirs[m], n, sequences) for m, n in lens.items())
-    return lens, kv
+    return max(sizing.kv_cache_bytes(team.model_dirs[m], n, sequences) for m, n in team.contexts.items())
 
 
 def check_sizes(team: Any, rollout: dict[str, Any]) -> None:
     """What vLLM would refuse minutes into the run, refused now: a KV cache (``--set
-    rollout.kv_cache_bytes``) that cannot hold one sequence of an engine's context."""
+    rollout.kv_cache_bytes``) that cannot hold one sequence of an engine's context (its
+    ``models.<id>.max_model_len``, else ``max_model_len``, else the model's own limit)."""
     from teamrl.rollout import sizing
 
-    models = rollout.get("models") or {
-        m: {"max_model_len": rollout.get("max_model_len", 0)} for m in team.model_dirs
-    }
-    for m, entry in models.items():
-        n = int(entry.get("max_model_len") or rollout.get("max_model_len") or 0) or sizing.model_limit(
-            team.model_dirs[m]
-        )
+    kv = int(rollout.get("kv_cache_bytes", sizing.KV_FLOOR))
+    for m, folder in team.model_dirs.items():
+        own = (rollout.get("models") or {}).get(m, {}).get("max_model_len")
+        n = int(own or rollout.get("max_model_len") or 0) or sizing.model_limit(folder)
         try:
-            sizing.check(team.model_dirs[m], m, n, int(rollout.get("kv_cache_bytes", sizing.KV_FLOOR)))
+            sizing.check(folder, m, n, kv)
         except sizing.SizingError as e:
             raise PlanError(f"[rollout] {e}") from None
 
 
-def served_models(team: Any, lens: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+def served_models(team: Any) -> dict[str, dict[str, Any]]:
     """The vLLM engine each model of the team needs, ``{model_id: {path, max_lora_rank,
-    lora_target_modules}}``: every model an agent runs on, trained or not (a base no agent trains
+    lora_target_modules, max_model_len}}``: every model an agent runs on, trained or not (a base no agent trains
     serves no adapter). ``[rollout.models]`` of a run and ``teamrl eval`` both start these."""
     out = {}
     for m, d in team.model_dirs.items():
@@ -329,7 +320,7 @@ def served_models(team: Any, lens: dict[str, int] | None = None) -> dict[str, di
             "path": str(d),
             "max_lora_rank": base.max_lora_rank if base is not None else 8,
             "lora_target_modules": list(base.target_modules) if base is not None else [],
-            **({"max_model_len": lens[m]} if lens else {}),
+            "max_model_len": team.contexts[m],
         }
     return out
 

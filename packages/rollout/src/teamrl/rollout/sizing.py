@@ -21,7 +21,7 @@ is never reached: vLLM queues what does not fit).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +79,6 @@ def model_contexts(wf: Any, prompt_len: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
-def longest_prompts(
-    wf: Any, encode: Any, toks: Mapping[str, Any], tasks: Sequence[Mapping[str, Any]]
-) -> dict[str, int]:
-    """agent id -> its longest prompt (tokens) over ``tasks``; ``encode(wf, agent_id, tok, task)`` is
-    the rollout's own prompt rendering (:func:`teamrl.rollout.team._encoded_prompt`)."""
-    return {a.id: max(len(encode(wf, a.id, toks[a.model], t)) for t in tasks) for a in wf.agents}
-
-
 def model_limit(model_dir: str | Path) -> int:
     """The model's own context limit (``max_position_embeddings``)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -130,29 +122,14 @@ def check(model_dir: str | Path, model_id: str, context: int, kv_bytes: int, dty
         )
 
 
-def team_contexts(team: Any, tasks_path: str | Path | None = None, sample: int = 64) -> dict[str, int]:
-    """model id -> ``max_model_len`` of a planned team (:class:`teamrl.rollout.team.TeamPlan`): the
-    workflow's contexts over ``sample`` training and ``sample`` held-out tasks, capped at each model's
-    own limit. Raises :class:`SizingError` when a prompt alone leaves an agent no room to answer."""
-    from teamrl.rollout.team import _encoded_prompt, _tokenizer, split_tasks
-
-    wf = team.workflow
-    train, held = split_tasks(wf, tasks_path)
-    toks = {m: _tokenizer(Path(d)) for m, d in team.model_dirs.items()}
-    prompts = longest_prompts(
-        wf,
-        lambda w, a, tok, task: _encoded_prompt(w, a, tok, task, w.name),
-        toks,
-        train[:sample] + held[:sample],
-    )
-    out = {}
-    for model_id, context in model_contexts(wf, prompts).items():
-        limit = model_limit(team.model_dirs[model_id])
-        for a in wf.agents:
-            if a.model == model_id and prompts[a.id] >= limit:
-                raise SizingError(
-                    f"agent {a.id!r}: its prompt reaches {prompts[a.id]} tokens, the whole of model "
-                    f"{model_id!r}'s context ({limit}): shorten its profile/template or the tasks"
-                )
-        out[model_id] = min(context, limit)
-    return out
+def capped_contexts(wf: Any, longest: Mapping[str, int], limits: Mapping[str, int]) -> dict[str, int]:
+    """:func:`model_contexts` capped at each model's own limit (``limits``: model id ->
+    ``max_position_embeddings``); raises :class:`SizingError` when an agent's longest prompt alone
+    leaves it no room to answer."""
+    for a in wf.agents:
+        if longest[a.id] >= limits[a.model]:
+            raise SizingError(
+                f"agent {a.id!r}: its prompt reaches {longest[a.id]} tokens, the whole of model "
+                f"{a.model!r}'s context ({limits[a.model]}): shorten its profile/template or the tasks"
+            )
+    return {m: min(n, limits[m]) for m, n in model_contexts(wf, longest).items()}

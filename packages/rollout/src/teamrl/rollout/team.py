@@ -27,11 +27,12 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from teamrl.rewards.tokenizer import Tokenizer, TokenizerError, tokenizer_for
+from teamrl.rollout import sizing
 from teamrl.rollout.executor import _Missing, _prompt_ids, _TaskView
 from teamrl.rollout.spec import WorkflowError
 from teamrl.rollout.workflow import Workflow
@@ -59,6 +60,9 @@ class BasePlan:
     probe_completion: list[int]
 
 
+SIZING_TASKS = 64  # training and held-out tasks whose prompts size the engines (teamrl.rollout.sizing)
+
+
 @dataclass(frozen=True)
 class TeamPlan:
     """What the services of one run need to agree on (``teamrl run`` writes it into RUN/config.toml).
@@ -73,6 +77,8 @@ class TeamPlan:
     model_dirs: dict[str, Path]  # every model id an agent uses -> its folder (untrained agents too)
     train_size: int
     held_out_size: int
+    # model id -> its engine's max_model_len, from the workflow (teamrl.rollout.sizing)
+    contexts: dict[str, int] = field(default_factory=dict)
 
     @property
     def base(self) -> BasePlan:
@@ -204,6 +210,7 @@ def plan_team(
         raise WorkflowError(f"{where}: {len(train)} training and {len(held)} held-out tasks: need both")
     toks = {m: tokenizer if tokenizer is not None else _tokenizer(d) for m, d in dirs.items()}
     prompts = {a.id: _encoded_prompt(wf, a.id, toks[a.model], held[0], where) for a in wf.agents}
+    contexts = _contexts(wf, dirs, toks, train[:SIZING_TASKS] + held[:SIZING_TASKS], where)
     bases: dict[str, BasePlan] = {}
     for model_id in dict.fromkeys(a.model for a in trained):
         mine = [a for a in trained if a.model == model_id]
@@ -217,7 +224,23 @@ def plan_team(
         model_dirs=dirs,
         train_size=len(train),
         held_out_size=len(held),
+        contexts=contexts,
     )
+
+
+def _contexts(
+    wf: Workflow, dirs: dict[str, Path], toks: Mapping[str, Tokenizer], tasks: list[dict], where: str
+) -> dict[str, int]:
+    """model id -> its engine's context (:func:`teamrl.rollout.sizing.model_contexts` over the longest
+    prompts of ``tasks``), capped at the model's own limit; a prompt that alone fills it is refused."""
+    longest = {
+        a.id: max(len(_encoded_prompt(wf, a.id, toks[a.model], t, where)) for t in tasks) for a in wf.agents
+    }
+    limits = {m: sizing.model_limit(d) for m, d in dirs.items()}
+    try:
+        return sizing.capped_contexts(wf, longest, limits)
+    except sizing.SizingError as e:
+        raise WorkflowError(f"{where}: {e}") from None
 
 
 def _model_dirs(
