@@ -164,6 +164,7 @@ class FastTokenizer:
         if template is None and use_chat_template and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
         self._template = template
+        self._compiled: Any = None  # the template, compiled on first use (chat)
         self._specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token")}
         eos = self._specials["eos_token"]
         self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos else None
@@ -178,10 +179,12 @@ class FastTokenizer:
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int] | None:
         if not self._template:
             return None
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        if self._compiled is None:  # compiled once: compiling took ~4 ms a prompt, rendering ~0.1
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self._template).render(
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._compiled = env.from_string(self._template)
+        text = self._compiled.render(
             messages=list(messages),
             add_generation_prompt=True,
             **{k: v or "" for k, v in self._specials.items()},
