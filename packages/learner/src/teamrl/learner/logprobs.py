@@ -72,11 +72,10 @@ class LogprobPasses:
             return [idx[i : i + n] for i in range(0, len(idx), n)]
         out, start, longest = [], 0, 0
         for i, row_len in enumerate(lengths[idx].tolist()):
-            longest2 = max(longest, int(row_len))
-            if i > start and (i - start >= n or (i - start + 1) * longest2 > self.micro_batch_tokens):
+            longest = max(longest, row_len)
+            if i > start and (i - start >= n or (i - start + 1) * longest > self.micro_batch_tokens):
                 out.append(idx[start:i])
-                start, longest2 = i, int(row_len)
-            longest = longest2
+                start, longest = i, row_len
         if len(idx) > start:
             out.append(idx[start:])
         return out
