@@ -39,9 +39,9 @@ def trajs(
 
 
 def make(**kw) -> ReplayBuffer:
-    base = {"max_policy_lag": None, "versions_from_data": True}  # the in-process rule these tests are about
+    base = {"max_policy_lag": None}  # with versions_from_data: the in-process rule these tests are about
     base.update(kw)
-    return ReplayBuffer(**base)
+    return ReplayBuffer(BufferConfig(**base), versions_from_data=True)
 
 
 def ids(sample: Sample | Refused) -> list[str]:
@@ -204,7 +204,7 @@ def test_a_batch_over_the_ratio_is_refused_whole():
 
 def test_config_builds_a_buffer_without_a_file():
     cfg = BufferConfig(capacity=10, sampler="uniform", min_size=2, max_policy_lag=None)
-    buf = ReplayBuffer(**cfg.buffer_kwargs())
+    buf = ReplayBuffer(cfg)
     assert buf.capacity == 10 and buf.sampler == "uniform" and buf.limiter.min_size == 2
 
 

@@ -66,9 +66,9 @@ def groups(n: int, size: int = 2, *, prefix: str = "g", **kw) -> list[GraphTraje
 
 
 def make(**kw) -> ReplayBuffer:
-    base = {"max_policy_lag": None, "group_size": 2, "versions_from_data": True}  # in-process rule
+    base = {"max_policy_lag": None, "group_size": 2}  # with versions_from_data: the in-process rule
     base.update(kw)
-    return ReplayBuffer(**base)
+    return ReplayBuffer(BufferConfig(**base), versions_from_data=True)
 
 
 def ids(out: Sample | Refused) -> list[str]:

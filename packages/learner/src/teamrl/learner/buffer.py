@@ -25,7 +25,7 @@ Design decisions:
   version minus its oldest step on that base; past ``max_policy_lag`` it is refused at admission
   (``drop``) or kept with weight ``stale_decay ** (lag - max_policy_lag)`` (``downweight``). With
   one base this is the plain SEED RL rule. ``current_version`` (the highest of all) bounds the
-  ``version_window`` and judges requests without ``model_id`` as before: at sample time groups
+  ``policy_version_window`` and judges requests without ``model_id`` as before: at sample time groups
   whose oldest step lags too far are evicted. A request with ``model_id`` judges only that base,
   and a group stale for it is given up by its view alone (counted ``evicted{reason="stale"}``):
   other views still get it (docs/architecture.md, "The replay buffer").
@@ -65,13 +65,14 @@ from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 from prometheus_client import Counter, Gauge, Histogram
 
 # ``NAME as NAME``: re-exported, for the service, the tests and older callers that import it from here
 from teamrl.learner.buffer_claims import Request, check_frame, check_request
+from teamrl.learner.buffer_config import BufferConfig
 from teamrl.learner.buffer_errors import CorruptStore as CorruptStore
 from teamrl.learner.buffer_errors import InvalidAgentId, InvalidView
 from teamrl.learner.buffer_errors import ReplayBufferError as ReplayBufferError
@@ -179,21 +180,14 @@ def _rows(
     return TrajectoryBatch.from_trajectories(items).rows()
 
 
-def _check_args(sampler: str, stale_action: str, capacity: int, group_size: int, max_pending: int) -> None:
-    if sampler not in ("fifo", "uniform", "prioritized"):
-        raise ValueError(f"sampler must be fifo, uniform or prioritized, got {sampler!r}")
-    if stale_action not in ("drop", "downweight"):
-        raise ValueError(f"stale_action must be drop or downweight, got {stale_action!r}")
-    if capacity < 1 or group_size < 1 or max_pending < 1:
-        raise ValueError("capacity, group_size and max_pending_groups must be >= 1")
-
-
 class ReplayBuffer:
-    """Admission, groups, rate limiting and sampling; plain arguments (see ``BufferConfig``).
+    """Admission, groups, rate limiting and sampling, set by a ``BufferConfig`` (the one place the
+    buffer's settings and their defaults are written; ``BufferConfig(capacity=10)`` builds one
+    without a file).
 
     Call sequence::
 
-        buf = ReplayBuffer(**cfg.buffer_kwargs())
+        buf = ReplayBuffer(cfg)                    # cfg: BufferConfig
         res = buf.insert(trajs, source=(incarnation, seq), now=time.monotonic())
         store.append(res.accepted)                 # persist before acking the frame
         buf.expire_groups(time.monotonic())        # release incomplete groups past their timeout
@@ -202,42 +196,26 @@ class ReplayBuffer:
         state = buf.state_dict(now)                # JSON-able; load_state_dict(state, trajs, now)
     """
 
-    def __init__(
-        self,
-        *,
-        capacity: int = 100_000,
-        sampler: Literal["fifo", "uniform", "prioritized"] = "fifo",
-        max_times_sampled: int = 1,
-        priority_exponent: float = 0.6,
-        importance_exponent: float = 0.4,
-        seed: int = 0,
-        min_size: int = 1,
-        samples_per_insert: float | None = None,
-        error_buffer: float = 100.0,
-        max_policy_lag: int | None = 4,
-        stale_action: Literal["drop", "downweight"] = "drop",
-        stale_decay: float = 0.5,
-        group_size: int = 1,
-        group_timeout_s: float = 120.0,
-        max_pending_groups: int = 10_000,
-        version_window: int | None = 10_000,
-        model_ids: Iterable[str] = (),
-        agent_ids: Iterable[str] = (),
-        versions_from_data: bool = False,
-    ) -> None:
-        _check_args(sampler, stale_action, capacity, group_size, max_pending_groups)
-        self.capacity = capacity
-        self.sampler = sampler
-        self.group_size = group_size
+    def __init__(self, cfg: BufferConfig, *, versions_from_data: bool = False) -> None:
+        """``cfg``: the ``[buffer]`` settings (only those of the buffer itself are read here; the
+        service reads the rest). ``versions_from_data``: a base's current version is the highest
+        step version seen on it (in-process use, older tests), not the one its learner announced."""
+        self.capacity = cfg.capacity
+        self.sampler = cfg.sampler
+        self.group_size = cfg.group_size
         self.versions = PolicyVersions(
-            max_policy_lag, stale_action, stale_decay, version_window, versions_from_data
+            cfg.max_policy_lag,
+            cfg.stale_action,
+            cfg.stale_decay,
+            cfg.policy_version_window,
+            versions_from_data,
         )
-        self.ids = KnownIds(model_ids, agent_ids)
-        self.limiter = RateLimiter(min_size, samples_per_insert, error_buffer)
-        self._order = GroupOrder(sampler, priority_exponent, importance_exponent, seed)
-        self._pending = PendingGroups(group_size, group_timeout_s, max_pending_groups)
+        self.ids = KnownIds(cfg.model_ids, cfg.agent_ids)
+        self.limiter = RateLimiter(cfg.min_size, cfg.samples_per_insert, cfg.error_buffer)
+        self._order = GroupOrder(cfg.sampler, cfg.priority_exponent, cfg.importance_exponent, cfg.seed)
+        self._pending = PendingGroups(cfg.group_size, cfg.group_timeout_s, cfg.max_pending_groups)
         self._held = HeldGroups(self._order.priority)
-        self._views = Views(max_times_sampled)
+        self._views = Views(cfg.max_times_sampled)
         self._sources = Sources()
         self.next_key = 0
         self.inserted = 0

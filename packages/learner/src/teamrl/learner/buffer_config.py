@@ -1,8 +1,9 @@
 """Typed configuration of the replay buffer service, read from the ``[buffer]`` table of a TOML file.
 
-``ReplayBuffer`` takes plain keyword arguments, not this model, and
-``BufferConfig.buffer_kwargs()`` turns this model into them, so tests build a buffer without a
-file. Validators only check that values agree and raise; nothing is copied between fields.
+This model is the one source of the buffer's settings: ``ReplayBuffer(cfg)`` reads its fields, and
+no other place writes a default for them (``tests/unit/learner/test_one_source.py``). A test builds
+one without a file (``BufferConfig(capacity=10)``). Validators only check that values agree and
+raise; nothing is copied between fields.
 
 The rate-limit fields follow DeepMind Reverb's ``SampleToInsertRatio``: with ``spi`` samples per
 insert, the limiter keeps ``diff = inserts * spi - samples`` inside
@@ -170,29 +171,6 @@ class BufferConfig(BaseModel):
                     f"group_size = {need}; inserts and samples could deadlock"
                 )
         return self
-
-    def buffer_kwargs(self) -> dict[str, Any]:
-        """Plain keyword arguments for ``teamrl.learner.buffer.ReplayBuffer``."""
-        return {
-            "capacity": self.capacity,
-            "sampler": self.sampler,
-            "max_times_sampled": self.max_times_sampled,
-            "priority_exponent": self.priority_exponent,
-            "importance_exponent": self.importance_exponent,
-            "seed": self.seed,
-            "min_size": self.min_size,
-            "samples_per_insert": self.samples_per_insert,
-            "error_buffer": self.error_buffer,
-            "max_policy_lag": self.max_policy_lag,
-            "stale_action": self.stale_action,
-            "stale_decay": self.stale_decay,
-            "group_size": self.group_size,
-            "group_timeout_s": self.group_timeout_s,
-            "max_pending_groups": self.max_pending_groups,
-            "version_window": self.policy_version_window,
-            "model_ids": list(self.model_ids),
-            "agent_ids": list(self.agent_ids),
-        }
 
 
 def load_buffer_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> BufferConfig:

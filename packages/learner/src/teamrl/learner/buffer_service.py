@@ -120,7 +120,7 @@ class BufferService:
         cfg.dir.mkdir(parents=True, exist_ok=True)
         (cfg.dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
         self.store = SegmentStore(cfg.dir, fsync=cfg.fsync, keep_checkpoints=cfg.keep_checkpoints)
-        self.buffer = ReplayBuffer(**cfg.buffer_kwargs())
+        self.buffer = ReplayBuffer(cfg)
         now = time.monotonic()
         state, trajectories = self.store.load()
         if state is not None:

@@ -5,8 +5,9 @@ whole file when it has none); validators only *check* that values agree and rais
 value from one field to another (a silent copy hides which value is in force).
 :meth:`LearnerConfig.engine_settings` turns the config into the frozen settings of
 :class:`teamrl.learner.engine.LearnerEngine` (:mod:`teamrl.learner.settings`), which never sees this
-class, so a test builds an engine without a config file. A setting keeps its name from here to the
-engine: the settings' fields are named after this config's fields.
+class, so a test builds an engine without a config file. This config is the one source of every
+setting: a setting keeps its name from here to the engine (the settings' fields are named after this
+config's fields) and its default is written here only (the settings take theirs from these fields).
 
 Per-agent overrides are keyed by *adapter name*: agents that share an adapter share its parameters,
 so they necessarily share its optimiser settings too (the rollout workflow defines the
@@ -21,11 +22,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from teamrl.learner.settings import AdapterSettings, EngineSettings
 from teamrl.protocol.configfile import (
     ConfigError,
     apply_overrides,
@@ -34,8 +34,8 @@ from teamrl.protocol.configfile import (
     load_toml,
 )
 
-# the engine settings this config holds under other names: the LoRA shape (``lora``, ``agents``)
-_LORA_SETTINGS = ("lora_rank", "lora_ranks", "lora_alpha", "lora_dropout", "target_modules")
+if TYPE_CHECKING:  # settings.py imports this module: the settings take their defaults from it
+    from teamrl.learner.settings import EngineSettings
 
 
 class LearnerConfigError(ConfigError):
@@ -300,21 +300,11 @@ class LearnerConfig(_Strict):
         return self
 
     def engine_settings(self) -> EngineSettings:
-        """The settings of :class:`teamrl.learner.engine.LearnerEngine`: each adapter's resolved from
-        its override (:meth:`adapter_settings`), the LoRA shape from ``lora`` and the per-adapter ranks,
-        and every other setting from this config's field of the same name."""
-        same_name = {k: getattr(self, k) for k in EngineSettings.names() if k not in _LORA_SETTINGS}
-        return EngineSettings.from_kwargs(
-            {a: AdapterSettings(**self.adapter_settings(a)) for a in self.adapters},
-            lora_rank=self.lora.rank,
-            lora_ranks={
-                a: self.agents[a].rank for a in self.adapters if a in self.agents and self.agents[a].rank
-            },
-            lora_alpha=self.lora.alpha,
-            lora_dropout=self.lora.dropout,
-            target_modules=tuple(self.lora.target_modules),
-            **same_name,
-        )
+        """The settings of :class:`teamrl.learner.engine.LearnerEngine`
+        (:meth:`teamrl.learner.settings.EngineSettings.from_config`)."""
+        from teamrl.learner.settings import EngineSettings  # settings.py imports this module
+
+        return EngineSettings.from_config(self)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """:meth:`engine_settings` as flat keywords (those of ``LearnerEngine.build``) and the adapters."""

@@ -2,10 +2,10 @@
 
 :class:`teamrl.learner.engine.LearnerEngine` is built from one :class:`EngineSettings` (plus the model
 folder, the adapter names and the device). A learner process gets it from its config
-(:meth:`teamrl.learner.config.LearnerConfig.engine_settings`); a test or a benchmark gets it from
-keywords (:meth:`EngineSettings.from_kwargs`, which ``LearnerEngine.build`` uses), so an engine needs no
-config file. What each setting means is documented once, on the config's field of the same name
-(docs/algorithms.md for the algorithms behind them).
+(:meth:`EngineSettings.from_config`, which ``LearnerConfig.engine_settings`` calls); a test or a
+benchmark gets it from keywords (:meth:`EngineSettings.from_kwargs`, which ``LearnerEngine.build``
+uses), so an engine needs no config file. What each setting means is documented once, on the config's field of the same name
+(docs/algorithms.md for the algorithms behind them), and its default is written there alone.
 
 Design decisions:
 
@@ -17,8 +17,12 @@ Design decisions:
   cannot change under a running engine; a variant is a new object (:meth:`EngineSettings.replace`).
 * **A setting's keyword is its field name**: the names are unique across the groups (and equal to
   the config's, except the LoRA shape, which the config keeps in its ``[lora]`` table), so
-  :meth:`EngineSettings.from_kwargs` and :meth:`EngineSettings.kwargs` need no table of names: each
-  setting is written once, as a field with its default.
+  :meth:`EngineSettings.from_kwargs` and :meth:`EngineSettings.kwargs` need no table of names.
+* **The config is the one source of every default**: a field here takes its default from the config
+  field it mirrors (:func:`config_default`), never a value of its own, so a learner process and an
+  engine built from keywords start from the same values (``tests/unit/learner/test_one_source.py``
+  fails on a default written here). The config documents each setting; the type here repeats the
+  config's (that test compares their choices).
 * **Per-adapter settings** (:class:`AdapterSettings`, Dr. MAS's per-agent configuration): ``None`` in
   temperature, KL coefficient or micro-batch size takes the engine-wide value
   (:meth:`EngineSettings.resolved`).
@@ -30,9 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
+from teamrl.learner.config import AgentOverrides, LearnerConfig, LoraSettings
 from teamrl.learner.errors import LearnerError
 
 __all__ = [
+    "config_default",
     "AdapterSettings",
     "ModelSettings",
     "ObjectiveSettings",
@@ -40,6 +48,12 @@ __all__ = [
     "OptimSettings",
     "EngineSettings",
 ]
+
+
+def config_default(name: str, model: type[BaseModel] = LearnerConfig) -> Any:
+    """The default of the config field ``name`` of ``model`` (:class:`LearnerConfig` unless named):
+    the only place a setting's default is written (module docstring)."""
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
 @dataclass(frozen=True)
@@ -51,9 +65,9 @@ class AdapterSettings:
     lr: float
     clip_low: float
     clip_high: float
-    temperature: float | None = None
-    kl_coef: float | None = None
-    micro_batch_rows: int | None = None
+    temperature: float | None = config_default("temperature", AgentOverrides)
+    kl_coef: float | None = config_default("kl_coef", AgentOverrides)
+    micro_batch_rows: int | None = config_default("micro_batch_rows", AgentOverrides)
 
 
 @dataclass(frozen=True)
@@ -65,12 +79,12 @@ class ModelSettings:
     float32 on the CPU.
     """
 
-    lora_rank: int = 8
-    lora_ranks: Mapping[str, int] = field(default_factory=dict)
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    lora_rank: int = config_default("rank", LoraSettings)
+    lora_ranks: Mapping[str, int] = field(default_factory=dict)  # from the config's agents.<a>.rank
+    lora_alpha: float = config_default("alpha", LoraSettings)
+    lora_dropout: float = config_default("dropout", LoraSettings)
+    target_modules: Sequence[str] = tuple(config_default("target_modules", LoraSettings))
+    dtype: Literal["auto", "float32", "bfloat16"] = config_default("dtype")
 
     def rank_of(self, adapter: str) -> int:
         return self.lora_ranks.get(adapter, self.lora_rank)
@@ -82,19 +96,19 @@ class ObjectiveSettings:
     (docs/algorithms.md §1-§3), the KL term, and the check that recomputed log-probs match the
     sampler's. ``temperature`` and ``kl_coef`` are the engine-wide values of adapters without their own."""
 
-    algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"] = "drmas"
-    singleton_advantage: Literal["batch", "zero", "raw"] = "batch"
-    reward_source: Literal["step", "trajectory"] = "step"
-    objective: Literal["decoupled", "ppo", "ppo-behaviour", "ppo-critic"] = "decoupled"
-    temperature: float = 1.0
-    tis_cap: float | None = 2.0
-    tis_mode: Literal["clamp", "mask"] = "clamp"
-    tis_level: Literal["token", "sequence"] = "token"
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    action_logprob_norm: Literal["token", "sum"] = "token"
-    logprob_tolerance: float | None = 0.05
+    algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"] = config_default("algorithm")
+    singleton_advantage: Literal["batch", "zero", "raw"] = config_default("singleton_advantage")
+    reward_source: Literal["step", "trajectory"] = config_default("reward_source")
+    objective: Literal["decoupled", "ppo", "ppo-behaviour", "ppo-critic"] = config_default("objective")
+    temperature: float = config_default("temperature")
+    tis_cap: float | None = config_default("tis_cap")
+    tis_mode: Literal["clamp", "mask"] = config_default("tis_mode")
+    tis_level: Literal["token", "sequence"] = config_default("tis_level")
+    kl_coef: float = config_default("kl_coef")
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = config_default("kl_estimator")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = config_default("loss_agg")
+    action_logprob_norm: Literal["token", "sum"] = config_default("action_logprob_norm")
+    logprob_tolerance: float | None = config_default("logprob_tolerance")
 
     def __post_init__(self) -> None:
         if self.objective not in ("decoupled", "ppo", "ppo-behaviour", "ppo-critic"):
@@ -108,15 +122,15 @@ class CriticSettings:
     """The centralised critic of ``objective="ppo-critic"`` (docs/algorithms.md §6,
     :mod:`teamrl.learner.critic`): GAE level and discounts, the value head and its loss."""
 
-    critic_level: Literal["action", "token"] = "action"
-    gamma: float = 0.99
-    lam: float = 0.95
-    token_gamma: float | None = None
-    value_coef: float = 1.0
-    critic_lr: float = 5e-4
-    value_clip: float | None = 0.2
-    critic_hidden: int = 256
-    whiten_advantages: bool = True
+    critic_level: Literal["action", "token"] = config_default("critic_level")
+    gamma: float = config_default("gamma")
+    lam: float = config_default("lam")
+    token_gamma: float | None = config_default("token_gamma")
+    value_coef: float = config_default("value_coef")
+    critic_lr: float = config_default("critic_lr")
+    value_clip: float | None = config_default("value_clip")
+    critic_hidden: int = config_default("critic_hidden")
+    whiten_advantages: bool = config_default("whiten_advantages")
 
     def __post_init__(self) -> None:
         if self.critic_level not in ("action", "token"):
@@ -131,16 +145,16 @@ class OptimSettings:
     engine-wide micro-batch size, the agent-by-agent order (docs/algorithms.md §4), the epochs, and
     the seed of the LoRA initialisation and of the update order."""
 
-    update_order: Literal["sequential", "simultaneous"] = "sequential"
-    happo_factor: Literal["turn", "trajectory"] = "turn"
-    order: Literal["random", "fixed"] = "random"
-    epochs: int = 1
-    micro_batch_rows: int = 64
-    micro_batch_tokens: int = 4096
-    zero_stage: int = 2
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
+    update_order: Literal["sequential", "simultaneous"] = config_default("update_order")
+    happo_factor: Literal["turn", "trajectory"] = config_default("happo_factor")
+    order: Literal["random", "fixed"] = config_default("order")
+    epochs: int = config_default("epochs")
+    micro_batch_rows: int = config_default("micro_batch_rows")
+    micro_batch_tokens: int = config_default("micro_batch_tokens")
+    zero_stage: Literal[0, 1, 2] = config_default("zero_stage")
+    weight_decay: float = config_default("weight_decay")
+    grad_clip: float = config_default("grad_clip")
+    seed: int = config_default("seed")
 
 
 @dataclass(frozen=True)
@@ -153,6 +167,24 @@ class EngineSettings:
     objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
     critic: CriticSettings = field(default_factory=CriticSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
+
+    @classmethod
+    def from_config(cls, cfg: LearnerConfig) -> EngineSettings:
+        """The settings of a learner process: each adapter's resolved from its override
+        (:meth:`LearnerConfig.adapter_settings`), the LoRA shape from ``lora`` and the per-adapter
+        ranks, and every other setting from the config's field of the same name."""
+        same_name = {k: getattr(cfg, k) for k in cls.names() if k not in _LORA_SETTINGS}
+        return cls.from_kwargs(
+            {a: AdapterSettings(**cfg.adapter_settings(a)) for a in cfg.adapters},
+            lora_rank=cfg.lora.rank,
+            lora_ranks={
+                a: cfg.agents[a].rank for a in cfg.adapters if a in cfg.agents and cfg.agents[a].rank
+            },
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=tuple(cfg.lora.target_modules),
+            **same_name,
+        )
 
     @classmethod
     def from_kwargs(cls, adapter_settings: Mapping[str, AdapterSettings], **kwargs: Any) -> EngineSettings:
@@ -203,6 +235,10 @@ class EngineSettings:
             for a, s in self.adapter_settings.items()
             if a in adapters
         }
+
+
+# the settings the config holds under other names: the LoRA shape (``lora``, ``agents.<a>.rank``)
+_LORA_SETTINGS = ("lora_rank", "lora_ranks", "lora_alpha", "lora_dropout", "target_modules")
 
 
 def _groups() -> list[tuple[str, Any]]:
