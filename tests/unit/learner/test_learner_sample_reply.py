@@ -39,8 +39,8 @@ def test_an_unreadable_reply_is_counted_and_asked_for_again(monkeypatch) -> None
         ]
     )
     before = M.SAMPLE_ERRORS.labels("decode_error")._value.get()
-    got, _ = svc.sample()
+    got, weights, _ = svc.sample()
     assert M.SAMPLE_ERRORS.labels("decode_error")._value.get() == before + 1
     assert svc.rpc.asked == 2 and all(isinstance(b, TrajectoryBatch) for b in got)
     assert [t.episode_id for b in got for t in b.trajectories()] == [t.episode_id for t in good]
-    assert svc.sample_weights == [0.5, 1.0, 2.0]
+    assert weights == [0.5, 1.0, 2.0]

@@ -26,21 +26,21 @@ from teamrl.learner.critic import action_level_gae, chain_rewards, explained_var
 from teamrl.learner.distributed import _all_reduce_max
 from teamrl.learner.logprobs import LogprobPasses
 from teamrl.learner.losses import clipped_value_loss
-from teamrl.learner.policy_step import StepData
+from teamrl.learner.rows import Advantages, StepRows
 from teamrl.learner.settings import AdapterSettings, EngineSettings
 
 __all__ = ["critic_advantages"]
 
 
 def critic_advantages(
-    passes: LogprobPasses, data: StepData, settings: EngineSettings, adapters: Mapping[str, AdapterSettings]
-) -> dict[str, float]:
-    """Fill ``data`` with GAE advantages (``adv_row`` [N] at action level, None at token level;
-    ``adv_tok`` [N, R]) and the KL reference log-probs of every adapter with a KL term (same base
-    pass); update the critic; return its metrics."""
-    batch, cs = data.batch, settings.critic
+    passes: LogprobPasses, rows: StepRows, settings: EngineSettings, adapters: Mapping[str, AdapterSettings]
+) -> tuple[Advantages, dict[str, float]]:
+    """GAE advantages of ``rows`` (``row`` [N] at action level, None at token level; ``tok`` [N, R])
+    with the KL reference log-probs of every adapter with a KL term (same base pass), after which the
+    critic is updated; returns them and the critic's metrics."""
+    batch, cs = rows.batch, settings.critic
     token = cs.critic_level == "token"
-    feats = _features(passes, data, adapters, token)
+    feats, ref = _features(passes, rows, adapters, token)
     vmask = batch.resp_mask if token else torch.ones(batch.n_rows, dtype=torch.bool)
     critic = passes.net.critic
     critic.eval()
@@ -66,27 +66,26 @@ def critic_advantages(
     metrics |= _critic_update(passes, feats, v_old, ret, vmask, settings)
     if cs.whiten_advantages and int(vmask.sum()) > 1:
         adv = masked_whiten(adv, vmask)
-    data.adv_row = None if token else adv
-    data.adv_tok = adv * batch.resp_mask if token else adv[:, None] * batch.resp_mask
-    return metrics
+    adv_tok = adv * batch.resp_mask if token else adv[:, None] * batch.resp_mask
+    return Advantages(None if token else adv, adv_tok, ref), metrics
 
 
 def _features(
-    passes: LogprobPasses, data: StepData, adapters: Mapping[str, AdapterSettings], token: bool
-) -> Tensor:
-    """The critic's features of every row from one base pass; fills ``data.ref`` on the way."""
-    batch = data.batch
+    passes: LogprobPasses, rows: StepRows, adapters: Mapping[str, AdapterSettings], token: bool
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The critic's features of every row from one base pass, and the KL reference log-probs of
+    each adapter with a KL term from the same pass."""
+    batch = rows.batch
     any_kl = any(s.kl_coef > 0 for s in adapters.values())
     parts = [
         passes.base_pass(batch, c, any_kl, token)
         for c in passes.chunks(torch.arange(batch.n_rows), None, batch.row_lengths)
     ]
+    ref: dict[str, Tensor] = {}
     if any_kl:
         ref_all = torch.cat([r for _, r in parts if r is not None])
-        for a, s in adapters.items():
-            if s.kl_coef > 0:
-                data.ref[a] = ref_all[data.rows[a]]
-    return torch.cat([f for f, _ in parts])
+        ref = {a: ref_all[rows.of_adapter[a]] for a, s in adapters.items() if s.kl_coef > 0}
+    return torch.cat([f for f, _ in parts]), ref
 
 
 def _critic_update(

@@ -14,7 +14,8 @@ The engine wires its parts together; each part is its own module of ``teamrl.lea
 
 * ``settings``: the frozen settings it is built from (``EngineSettings``);
 * ``model``: the PEFT model, one DeepSpeed engine per adapter, the critic's;
-* ``rows``: trajectories -> right-padded row tensors, outcome advantages;
+* ``rows``: trajectories -> right-padded row tensors, each row's weight and joint sample, outcome
+  advantages;
 * ``logprobs``: the forward passes (recomputed log-probs, critic features, sampling);
 * ``critic_step``: GAE advantages from the centralised critic, and its update;
 * ``update``: the agent-by-agent (HAPPO) update driver;
@@ -35,7 +36,11 @@ Design decisions of the train step (:meth:`LearnerEngine.train_step`):
   independent PPO (factor 1). The order is seeded by the step number, so a resumed learner repeats it.
 * **Sample weights**: the buffer's per-trajectory weights (``SampleReply.weights``: prioritised-replay
   importance weights, staleness decay), passed as ``train_step(weights=...)``, one per trajectory of
-  the batch (``RowBatch.n_traj``), reach every row of their trajectory (docs/algorithms.md §7).
+  the batch (``RowBatch.n_traj``), reach every row of their trajectory (``StepRows.weights``,
+  docs/algorithms.md §7).
+* **Each stage returns what it made**: rows (``build_rows``), each row's weight and joint sample
+  (``step_rows``), advantages (``Advantages``), the update's records and each adapter's π_prox; all
+  frozen once made, so :meth:`LearnerEngine.train_step` reads top to bottom with nothing filled in later.
 * **The log-prob check**: the gap between the behaviour log-probs and the recomputation on *fresh* rows
   (sampled with exactly the current weights) is a metric, and a gap over ``logprob_tolerance`` raises
   :class:`LogprobMismatch` (a misaligned recompute was measured to collapse training).
@@ -57,7 +62,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from teamrl.learner.advantages import advantage_groups, broadcast_to_tokens, singleton_group_count
+from teamrl.learner.advantages import advantage_groups, singleton_group_count
 from teamrl.learner.checkpoint import EngineState, load_checkpoint, save_checkpoint
 from teamrl.learner.critic_step import critic_advantages
 from teamrl.learner.distributed import _all_reduce_max, init_distributed
@@ -65,15 +70,9 @@ from teamrl.learner.errors import LearnerError, LogprobMismatch
 from teamrl.learner.logprobs import LogprobPasses
 from teamrl.learner.model import AdapterModel
 from teamrl.learner.policy_step import AdapterStep, StepData, idle_stats
-from teamrl.learner.rows import RowBatch, build_rows, row_advantages
+from teamrl.learner.rows import Advantages, RowBatch, StepRows, build_rows, outcome, row_advantages, step_rows
 from teamrl.learner.settings import AdapterSettings, EngineSettings
-from teamrl.learner.update import (
-    SequentialUpdateResult,
-    joint_logprob,
-    joint_rows,
-    random_order,
-    sequential_update,
-)
+from teamrl.learner.update import SequentialUpdateResult, joint_logprob, random_order, sequential_update
 from teamrl.protocol.trajectory import GraphTrajectory
 
 __all__ = [
@@ -82,6 +81,7 @@ __all__ = [
     "AdapterSettings",
     "EngineSettings",
     "RowBatch",
+    "StepRows",
     "StepResult",
     "EngineState",
     "build_rows",
@@ -206,13 +206,13 @@ class LearnerEngine:
         """
         t0 = time.perf_counter()
         batch, ignored = build_rows(trajectories, self.adapters, self.settings.objective.reward_source)
-        data = self._prepare(batch, weights)
-        metrics = self._advantages(data)
+        rows = step_rows(batch, self.adapters, weights, self.settings.optim.happo_factor)
+        adv, metrics = self._advantages(rows)
         order = self._order(step)
-        result = self._update(data, order, started)
+        result, prox = self._update(StepData(rows, adv), order, started)
         metrics |= _update_metrics(result)
-        metrics |= self._logprob_gap(data, fresh_version, step)
-        metrics |= _batch_metrics(data, current_version, time.perf_counter() - t0)
+        metrics |= self._logprob_gap(rows, prox, fresh_version, step)
+        metrics |= _batch_metrics(batch, adv, current_version, time.perf_counter() - t0)
         self.next_step = step + 1
         self.last_version = current_version
         return StepResult(
@@ -222,33 +222,22 @@ class LearnerEngine:
             losses={rec.agent: rec.step_stats[-1]["loss"] for rec in result.records},
         )
 
-    def _prepare(self, batch: RowBatch, weights: Sequence[float] | None) -> StepData:
-        """Each row's sample weight, joint sample of the HAPPO factor and sampling temperature."""
-        if weights is not None and len(weights) > 0:  # SampleReply.weights, one per trajectory
-            if len(weights) != batch.n_traj:
-                raise LearnerError(f"{len(weights)} sample weights for {batch.n_traj} trajectories")
-            batch.row_weights = torch.tensor(list(weights), dtype=torch.float32)[batch.traj_idx]
-        assert batch.turn_idx is not None
-        happo_factor = self.settings.optim.happo_factor
-        batch.joint_idx, n_joint = joint_rows(batch.traj_idx, batch.turn_idx, batch.n_traj, happo_factor)
-        temps = [self.adapter_settings[a].temperature for a in batch.adapter_of_row]
-        batch.temps = torch.tensor(temps, dtype=torch.float32)
-        return StepData(batch, {a: batch.rows_of(a) for a in self.adapters}, n_joint)
-
-    def _advantages(self, data: StepData) -> dict[str, float]:
-        """Fill ``data`` with the advantages and KL reference log-probs; return their metrics."""
+    def _advantages(self, rows: StepRows) -> tuple[Advantages, dict[str, float]]:
+        """The advantages of ``rows`` with the KL reference log-probs of each adapter with a KL term
+        (the critic's GAE with ``objective="ppo-critic"``), and their metrics."""
         if self.net.critic is not None:
-            return critic_advantages(self.passes, data, self.settings, self.adapter_settings)
-        batch, obj = data.batch, self.settings.objective
-        data.adv_row = row_advantages(batch, obj.algorithm, obj.singleton_advantage)
-        data.adv_tok = broadcast_to_tokens(data.adv_row, batch.resp_mask)
+            return critic_advantages(self.passes, rows, self.settings, self.adapter_settings)
+        batch, obj = rows.batch, self.settings.objective
+        adv = outcome(batch, obj.algorithm, obj.singleton_advantage)
         groups = advantage_groups(
             obj.algorithm, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx
         )
-        for a in self.adapters:
-            if self.adapter_settings[a].kl_coef > 0:
-                data.ref[a] = self.passes.token_logprobs(batch, data.rows[a], None)
-        return {"singleton_groups": float(singleton_group_count(*groups))}
+        ref = {
+            a: self.passes.token_logprobs(batch, rows.of_adapter[a], None)
+            for a in self.adapters
+            if self.adapter_settings[a].kl_coef > 0
+        }
+        return Advantages(adv.row, adv.tok, ref), {"singleton_groups": float(singleton_group_count(*groups))}
 
     def _order(self, step: int) -> list[int]:
         if self.settings.optim.order == "fixed":
@@ -258,29 +247,31 @@ class LearnerEngine:
 
     def _update(
         self, data: StepData, order: list[int], started: AdapterStep | None = None
-    ) -> SequentialUpdateResult[str]:
+    ) -> tuple[SequentialUpdateResult[str], dict[str, Tensor]]:
         """The agent-by-agent update: each adapter's optimiser steps, in ``order``; ``started``
-        continues as the first adapter's first epoch."""
-        optim, batch = self.settings.optim, data.batch
-        per_rank = [len(self.passes.chunks(data.rows[a], a, batch.row_lengths)) for a in self.adapters]
+        continues as the first adapter's first epoch. Returns its records and each stepped adapter's
+        π_prox (the log-probs of its rows before the update, recorded by its first epoch)."""
+        optim, rows = self.settings.optim, data.rows
+        batch = rows.batch
+        per_rank = [len(self.passes.chunks(rows.of_adapter[a], a, batch.row_lengths)) for a in self.adapters]
         # 0 = no rank has rows for this adapter: it is not stepped at all (AdamW would still move it)
         n_micro = dict(zip(self.adapters, _all_reduce_max(per_rank), strict=True))
         action_level = self.net.critic is not None and self.settings.critic.critic_level == "action"
         pending = [started] if started is not None else []
+        prox: dict[str, Tensor] = {}  # each adapter's π_prox, as its first epoch returned it
 
         def per_joint(adapter: str, token_logp: Tensor) -> Tensor:  # [n, R] of its rows -> [n_joint]
-            idx = data.rows[adapter]
-            assert batch.joint_idx is not None
+            idx = rows.of_adapter[adapter]
             row_logp = (token_logp * batch.resp_mask[idx]).sum(-1).float()
-            return joint_logprob(row_logp, batch.joint_idx[idx], data.n_joint)
+            return joint_logprob(row_logp, rows.joint_idx[idx], rows.n_joint)
 
         def logprob_fn(adapter: str) -> Tensor:  # after the adapter's epochs
-            return per_joint(adapter, self.passes.token_logprobs(batch, data.rows[adapter], adapter))
+            return per_joint(adapter, self.passes.token_logprobs(batch, rows.of_adapter[adapter], adapter))
 
         def old_fn(adapter: str) -> Tensor:  # π_old = π_prox, recorded by the first epoch's forward
-            if adapter not in data.prox:  # no rows here: the agent's ratio is 1 on every joint sample
-                return torch.zeros(data.n_joint)
-            return per_joint(adapter, data.prox[adapter])
+            if adapter not in prox:  # no rows here: the agent's ratio is 1 on every joint sample
+                return torch.zeros(rows.n_joint)
+            return per_joint(adapter, prox[adapter])
 
         def step_fn(adapter: str, factor: Tensor) -> Mapping[str, float]:
             s = self.adapter_settings[adapter]
@@ -292,9 +283,21 @@ class LearnerEngine:
             else:
                 obj = self.settings.objective
                 step = AdapterStep(
-                    self.net, self.passes, data, adapter, s, obj, action_level, factor, self.timeline
+                    self.net,
+                    self.passes,
+                    data,
+                    adapter,
+                    s,
+                    obj,
+                    action_level,
+                    factor,
+                    self.timeline,
+                    prox=prox.get(adapter),
                 )
-            return step.run(n_micro[adapter])
+            out = step.run(n_micro[adapter])
+            if out.prox is not None:
+                prox[adapter] = out.prox
+            return out.stats
 
         result = sequential_update(
             self.adapters,
@@ -303,24 +306,26 @@ class LearnerEngine:
             step_fn,
             epochs=optim.epochs,
             mode=optim.update_order,
-            n_rows=data.n_joint,
+            n_rows=rows.n_joint,
             measure_last=False,  # nothing reads the last agent's ratio: one no-grad pass fewer
             old_fn=old_fn,  # and π_old comes from the training forward: one more fewer per agent
         )
         self.net.trainable(None)
-        return result
+        return result, prox
 
-    def _logprob_gap(self, data: StepData, fresh_version: int | None, step: int) -> dict[str, float]:
+    def _logprob_gap(
+        self, rows: StepRows, prox: Mapping[str, Tensor], fresh_version: int | None, step: int
+    ) -> dict[str, float]:
         """Mean |π_prox − μ| on the fresh rows' tokens (π_prox = the weights that sampled them);
         raises :class:`LogprobMismatch` over ``logprob_tolerance``."""
-        batch, gap_sum, gap_n = data.batch, 0.0, 0
+        batch, gap_sum, gap_n = rows.batch, 0.0, 0
         for a in self.adapters:
-            idx = data.rows[a]
-            if fresh_version is None or len(idx) == 0 or a not in data.prox:
+            idx = rows.of_adapter[a]
+            if fresh_version is None or len(idx) == 0 or a not in prox:
                 continue
             fresh = batch.versions[idx] == fresh_version
             mask = batch.resp_mask[idx] & fresh[:, None]
-            diff = (data.prox[a] - batch.behav_logp[idx]).abs()
+            diff = (prox[a] - batch.behav_logp[idx]).abs()
             gap_sum += float(diff[mask].sum())
             gap_n += int(mask.sum())
         gap = gap_sum / gap_n if gap_n else math.nan
@@ -389,14 +394,15 @@ def _update_metrics(result: SequentialUpdateResult[str]) -> dict[str, float]:
     return out
 
 
-def _batch_metrics(data: StepData, current_version: int, elapsed: float) -> dict[str, float]:
+def _batch_metrics(
+    batch: RowBatch, adv: Advantages, current_version: int, elapsed: float
+) -> dict[str, float]:
     """Rewards and advantages per agent, staleness, size and speed of the step."""
-    batch = data.batch
     out: dict[str, float] = {}
     for agent in sorted(set(batch.agent_of_row)):
         sel = torch.tensor([x == agent for x in batch.agent_of_row])
         out[f"reward_mean/{agent}"] = float(batch.rewards[sel].mean())
-        a_vals = data.adv_row[sel] if data.adv_row is not None else data.adv_tok[sel][batch.resp_mask[sel]]
+        a_vals = adv.row[sel] if adv.row is not None else adv.tok[sel][batch.resp_mask[sel]]
         out[f"advantage_mean/{agent}"] = float(a_vals.mean())
         out[f"advantage_std/{agent}"] = float(a_vals.std(unbiased=False))
     tokens = int((batch.prompt_lens + batch.resp_lens).sum())

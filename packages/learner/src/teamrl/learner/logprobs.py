@@ -8,8 +8,9 @@ Design decisions:
   misaligned positions was measured to collapse training (docs/architecture.md §7), so the engine
   checks the recomputation against the behaviour log-probs on fresh rows (``logprob_tolerance``).
 * **Each row at its own temperature**: under an adapter, logits are divided by the adapter's sampling
-  temperature; under the base model (the KL reference of rows of several adapters) by each row's own
-  (``RowBatch.temps``). A division over the logits is skipped where the temperature is 1.
+  temperature; under the base model (the KL reference, the critic's features: rows of several
+  adapters) by each row's own, its adapter's. A division over the logits is skipped where the
+  temperature is 1.
 * **Micro-batches** of at most ``micro_batch_rows`` rows (the adapter's own, the engine-wide one for
   the base) and, with ``micro_batch_tokens``, at most that many padded tokens (rows x their longest
   row): the memory of a pass is bounded by the micro-batch, not by the sample, and a batch of long
@@ -122,9 +123,12 @@ class LogprobPasses:
         temperature, log-softmax and gather, ``LOGIT_CHUNK_TOKENS`` tokens at a time; under ``grad``
         each chunk is checkpointed (its logits recomputed in the backward, never kept)."""
         head = self.net.model.get_base_model().get_output_embeddings()
+        temperature = self._temperature(batch, idx, adapter)
 
         def part(h: Tensor, r: Tensor) -> Tensor:
-            logits = self._at_temperature(head(h).float(), batch, idx, adapter)
+            logits = head(h).float()
+            if temperature is not None:
+                logits = logits / temperature
             return torch.log_softmax(logits, dim=-1).gather(-1, r[..., None]).squeeze(-1)
 
         step = max(1, LOGIT_CHUNK_TOKENS // max(1, sel.shape[0]))
@@ -179,18 +183,18 @@ class LogprobPasses:
         feats = sel if token_level else sel[:, 0]
         return feats.float().cpu(), ref
 
-    def _at_temperature(self, logits: Tensor, batch: RowBatch, idx: Tensor, adapter: str | None) -> Tensor:
-        """``logits`` [n, R, V] of rows ``idx`` divided by the temperature their tokens were sampled at
-        (module docstring); the engine-wide one for the base model before ``batch.temps`` is set."""
+    def _temperature(self, batch: RowBatch, idx: Tensor, adapter: str | None) -> float | Tensor | None:
+        """What the logits of rows ``idx`` are divided by (module docstring): the adapter's temperature,
+        or under the base model each row's adapter's ([n, 1, 1] on the device); None where it is 1."""
         if adapter is not None:
             t = self.adapters[adapter].temperature
-            return logits / t if t != 1.0 else logits
-        if batch.temps is None:
-            return logits / self.temperature if self.temperature != 1.0 else logits
-        temps = batch.temps[idx]
+            return t if t != 1.0 else None
+        temps = torch.tensor(
+            [self.adapters[batch.adapter_of_row[i]].temperature for i in idx.tolist()], dtype=torch.float32
+        )
         if bool((temps == 1.0).all()):
-            return logits
-        return logits / temps.to(logits.device)[:, None, None]
+            return None
+        return temps.to(self.net.device)[:, None, None]
 
     @torch.no_grad()
     def sample(

@@ -1,9 +1,10 @@
 """One optimiser step of one adapter: its rows in gradient-accumulated micro-batches
 (docs/algorithms.md §3-§7, docs/architecture.md §7).
 
-:class:`StepData` is what one train step's adapter updates share (rows, advantages, cached
-log-probs); :class:`AdapterStep` runs one adapter's step for the ``step_fn`` the engine hands to
-:func:`teamrl.learner.update.sequential_update`.
+:class:`StepData` is what one train step's adapter updates share (its rows and their advantages,
+made before the first update and never added to); :class:`AdapterStep` runs one adapter's step for
+the ``step_fn`` the engine hands to :func:`teamrl.learner.update.sequential_update` and returns what
+it made (:class:`AdapterStepResult`: its statistics and π_prox).
 
 Design decisions:
 
@@ -12,9 +13,10 @@ Design decisions:
   Token counts come from the CPU copy of the mask, which needs no synchronisation.
 * **π_prox** is the adapter before this step's update: the detached log-probs of the first epoch's
   training forward (with one optimiser step per epoch they are exactly the pre-update ones), so no
-  extra forward pass is spent on it; the sequential update reads them back as its π_old
+  extra forward pass is spent on it. A step returns them; the engine hands them to the adapter's
+  later epochs (``AdapterStep(prox=...)``) and reads them back as its π_old
   (``sequential_update(old_fn=...)``).
-* **Sample weights** (``RowBatch.row_weights``, the buffer's per-trajectory weights) multiply every
+* **Sample weights** (``StepRows.weights``, the buffer's per-trajectory weights) multiply every
   row's policy and KL loss (:func:`teamrl.learner.losses.weight_rows`).
 * **Data parallel**: every rank must issue the same collectives, so the number of micro-batches is
   agreed by the caller (an all-reduce(max)), and a rank with fewer rows runs zero-weight dummy
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,10 +37,10 @@ from teamrl.learner.logprobs import LogprobPasses
 from teamrl.learner.losses import PolicyLossTerms, agg_loss, weight_rows
 from teamrl.learner.model import AdapterModel
 from teamrl.learner.objectives import behaviour_weight, kl_loss, loss_share, policy_terms
-from teamrl.learner.rows import RowBatch
+from teamrl.learner.rows import Advantages, StepRows
 from teamrl.learner.settings import AdapterSettings, ObjectiveSettings
 
-__all__ = ["StepData", "AdapterStep", "idle_stats"]
+__all__ = ["StepData", "AdapterStep", "AdapterStepResult", "idle_stats"]
 
 # the statistics of one adapter's step, in the order of its metrics
 _STAT_KEYS = (
@@ -53,23 +55,22 @@ _STAT_KEYS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepData:
-    """One train step's rows and what every adapter's update reads.
+    """What every adapter's update in one train step reads: the step's rows (each adapter's, their
+    sample weights and joint samples) and their advantages (with the KL reference log-probs)."""
 
-    rows: each adapter's row indices; n_joint: joint samples of the HAPPO factor. Set by the engine's
-    advantage pass: adv_row [N], one advantage per row (None at token level); adv_tok [N, R], per
-    response token; ref: the KL reference log-probs of each adapter with a KL term. prox: π_prox
-    [rows, R] of each adapter, set by its first pass of the update.
-    """
+    rows: StepRows
+    adv: Advantages
 
-    batch: RowBatch
-    rows: dict[str, Tensor]
-    n_joint: int
-    adv_row: Tensor | None = None
-    adv_tok: Tensor = field(default_factory=lambda: torch.zeros(0))
-    prox: dict[str, Tensor] = field(default_factory=dict)
-    ref: dict[str, Tensor] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class AdapterStepResult:
+    """What one adapter's step made: its statistics, and π_prox [rows, R] of its rows on the CPU (the
+    log-probs before the step; None when this rank had no rows of it)."""
+
+    stats: dict[str, float]
+    prox: Tensor | None
 
 
 def idle_stats(lr: float) -> dict[str, float]:
@@ -79,7 +80,9 @@ def idle_stats(lr: float) -> dict[str, float]:
 
 class AdapterStep:
     """One optimiser step of one adapter over its rows (module docstring): its micro-batches and their
-    running statistics. ``factor`` [n_joint]: the HAPPO factor of each joint sample."""
+    running statistics. ``factor`` [n_joint]: the HAPPO factor of each joint sample. ``prox``: π_prox
+    of the adapter's rows from an earlier epoch of this train step (None: the first epoch, which
+    records it from its training forward)."""
 
     def __init__(
         self,
@@ -92,13 +95,14 @@ class AdapterStep:
         action_level: bool,
         factor: Tensor,
         timeline: Any = None,
+        prox: Tensor | None = None,
     ) -> None:
         self.net, self.passes, self.data, self.adapter = net, passes, data, adapter
         self.s, self.obj, self.action_level = s, obj, action_level
         self.eng = net.engines[adapter]
         self.timeline = timeline  # teamrl.protocol.timeline.Timeline: the optimiser's time apart
         self.dev = net.device
-        self.use_cached = adapter in data.prox
+        self.prox = prox
         self.new_prox: list[Tensor] = []
         self.stats = _Stats(self.dev)
         self.done = 0  # leading micro-batches already streamed (see stream and resume)
@@ -109,7 +113,7 @@ class AdapterStep:
     def _bind(self, data: StepData, factor: Tensor) -> None:
         """Train on ``data``: its rows' totals give each micro-batch its share of the loss."""
         self.data = data
-        mask_all = data.batch.resp_mask[data.rows[self.adapter]]
+        mask_all = data.rows.batch.resp_mask[data.rows.of_adapter[self.adapter]]
         self.total_tokens = float(mask_all.sum())
         self.total_seqs = float((mask_all.sum(-1) > 0).sum())
         self.factor = factor.to(self.dev)
@@ -121,7 +125,7 @@ class AdapterStep:
         DeepSpeed (``torch.autograd.grad``: no accumulation hook fires, whatever the ZeRO stage);
         :meth:`resume` hands them over once the total is known. The HAPPO factor is 1 (only the
         first adapter of the order streams; teamrl.learner.streaming)."""
-        self._bind(data, torch.ones(data.n_joint))
+        self._bind(data, torch.ones(data.rows.n_joint))
         self.total_tokens = self.total_seqs = 1.0
         self.net.model.train()
         self.micro_batch(c, offset, self._accumulate)
@@ -148,15 +152,15 @@ class AdapterStep:
         self.inject = [(p, g * scale) for p, g in self.side.items()]
         self.side = {}
         self.stats.acc[0] *= scale
-        width = data.batch.resp_mask.shape[1]
+        width = data.rows.batch.resp_mask.shape[1]
         self.new_prox = [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in self.new_prox]
         return self
 
-    def run(self, n_micro: int) -> dict[str, float]:
-        """The step in ``n_micro`` micro-batches (agreed by every rank); returns its statistics."""
-        eng, data = self.eng, self.data
+    def run(self, n_micro: int) -> AdapterStepResult:
+        """The step in ``n_micro`` micro-batches (agreed by every rank); its statistics and π_prox."""
+        eng, rows = self.eng, self.data.rows
         self.net.model.train()
-        chunks = self.passes.chunks(data.rows[self.adapter], self.adapter, data.batch.row_lengths)
+        chunks = self.passes.chunks(rows.of_adapter[self.adapter], self.adapter, rows.batch.row_lengths)
         offset = 0
         for j in range(n_micro):
             eng.set_gradient_accumulation_boundary(j == n_micro - 1)
@@ -173,14 +177,15 @@ class AdapterStep:
         eng.step()
         if self.timeline is not None:
             self.timeline.enter("forward_backward")
-        if self.new_prox:
-            data.prox[self.adapter] = torch.cat(self.new_prox).cpu()
+        prox = self.prox
+        if prox is None and self.new_prox:
+            prox = torch.cat(self.new_prox).cpu()
         self.net.trainable(None)
-        return self.stats.read(eng.get_global_grad_norm(), self.s.lr)
+        return AdapterStepResult(self.stats.read(eng.get_global_grad_norm(), self.s.lr), prox)
 
     def dummy(self) -> None:
         """A zero-gradient micro-batch (a rank with fewer rows than another)."""
-        dummy = self.data.batch.input_ids.new_zeros((1, 2), device=self.dev)
+        dummy = self.data.rows.batch.input_ids.new_zeros((1, 2), device=self.dev)
         self.net.model.set_adapter(self.adapter)
         self.net.trainable(self.adapter)
         out = self.eng(input_ids=dummy, use_cache=False).logits
@@ -189,26 +194,26 @@ class AdapterStep:
     def micro_batch(self, c: Tensor, offset: int, backward: Callable[[Tensor], None] | None = None) -> None:
         """Forward, loss and backward of rows ``c`` (at ``offset`` in the adapter's rows); ``backward``
         (default: the DeepSpeed engine's) takes the micro-batch's share of the loss."""
-        batch, dev, obj, s = self.data.batch, self.dev, self.obj, self.s
+        rows, dev, obj, s = self.data.rows, self.dev, self.obj, self.s
+        batch = rows.batch
         mask_cpu = batch.resp_mask[c]
         mask = mask_cpu.to(dev)
         logp = self.passes.token_logp(batch, c, self.adapter, grad=True, engine=backward is None)
-        rows = slice(offset, offset + len(c))
-        if self.use_cached:
-            prox = self.data.prox[self.adapter][rows].to(dev)
+        span = slice(offset, offset + len(c))  # these rows' place among the adapter's rows
+        if self.prox is not None:
+            prox = self.prox[span].to(dev)
         else:
             prox = logp.detach() * mask
             self.new_prox.append(prox)
-        assert batch.joint_idx is not None
-        f_row = self.factor[batch.joint_idx[c].to(dev)]
+        f_row = self.factor[rows.joint_idx[c].to(dev)]
         behav = batch.behav_logp[c].to(dev)
         if self.action_level:  # APPO: one advantage per action (docs/algorithms.md §6)
-            assert self.data.adv_row is not None
-            adv = self.data.adv_row[c].to(dev) * f_row
+            assert self.data.adv.row is not None
+            adv = self.data.adv.row[c].to(dev) * f_row
         else:
-            adv = self.data.adv_tok[c].to(dev) * f_row[:, None]
+            adv = self.data.adv.tok[c].to(dev) * f_row[:, None]
         terms = policy_terms(obj, self.action_level, logp, prox, behav, adv, mask, (s.clip_low, s.clip_high))
-        row_w = batch.row_weights[c].to(dev) if batch.row_weights is not None else None
+        row_w = rows.weights[c].to(dev) if rows.weights is not None else None
         if row_w is not None:  # SampleReply.weights: each row's loss times its trajectory's weight
             terms = weight_rows(terms, row_w)
         # an action-level loss is a mean over actions; `unit` is what the ratio statistics count
@@ -217,7 +222,7 @@ class AdapterStep:
         loss = agg_loss(terms.loss, unit, "token-mean" if self.action_level else obj.loss_agg)
         kl_term = None
         if s.kl_coef > 0:
-            kl = kl_loss(obj, logp, self.data.ref[self.adapter][rows].to(dev), mask, row_w)
+            kl = kl_loss(obj, logp, self.data.adv.ref[self.adapter][span].to(dev), mask, row_w)
             loss = loss + s.kl_coef * kl
             kl_term = kl.detach() * n_tok
         share = loss_share(obj, self.action_level, mask_cpu, self.total_tokens, self.total_seqs)

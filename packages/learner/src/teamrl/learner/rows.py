@@ -6,11 +6,16 @@ counted and left out): each row's token slices are copied straight from the flat
 buffers through their offsets, with no Python object per step. ``StepColumns`` gives the per-step metrics the
 same way; ``row_advantages`` gives every row its outcome advantage. The engine
 (:mod:`teamrl.learner.engine`) runs its forward passes on these tensors.
+
+A train step's data only grows by new values: :func:`build_rows` makes the :class:`RowBatch`,
+:func:`step_rows` the :class:`StepRows` (each row's sample weight and HAPPO joint sample), the
+advantage stage an :class:`Advantages`; each is frozen and complete when made, so a stage reads what
+the stages before it returned and nothing is filled in later.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,20 +23,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from teamrl.learner.advantages import outcome_advantages
+from teamrl.learner.advantages import broadcast_to_tokens, outcome_advantages
 from teamrl.learner.errors import LearnerError
+from teamrl.learner.update import FactorMode, joint_rows
 from teamrl.protocol.codec import TrajectoryBatch
 from teamrl.protocol.errors import ProtocolError
 from teamrl.protocol.trajectory import GraphTrajectory
 
 
-@dataclass
+@dataclass(frozen=True)
 class RowBatch:
     """One agent step per row, right-padded. N rows, L = max prompt+response, R = max response.
 
     input_ids [N, L] int64 (pad 0), attention_mask [N, L], prompt_lens / resp_lens [N],
     response_ids [N, R], behav_logp [N, R] float32 (0 on padding), resp_mask [N, R] bool,
-    rewards [N], group_idx / agent_idx / traj_idx [N] int64, versions [N] int64, adapter_of_row [N] str.
+    rewards [N], group_idx / agent_idx / traj_idx / turn_idx [N] int64, versions [N] int64,
+    adapter_of_row [N] str.
     """
 
     input_ids: Tensor
@@ -45,15 +52,12 @@ class RowBatch:
     group_idx: Tensor
     agent_idx: Tensor
     traj_idx: Tensor
+    turn_idx: Tensor
     versions: Tensor
     adapter_of_row: list[str]
     agent_of_row: list[str]
     n_traj: int
     team_rewards: list[float] = field(default_factory=list)
-    turn_idx: Tensor | None = None  # [N] int64, the step's turn (None: all 0)
-    row_weights: Tensor | None = None  # [N] float32 sample weight of the row's trajectory (None: all 1)
-    joint_idx: Tensor | None = None  # [N] int64 joint sample of the HAPPO factor (set by train_step)
-    temps: Tensor | None = None  # [N] float32 sampling temperature of the row's adapter (set by train_step)
 
     @property
     def n_rows(self) -> int:
@@ -66,6 +70,48 @@ class RowBatch:
 
     def rows_of(self, adapter: str) -> Tensor:
         return torch.tensor([i for i, a in enumerate(self.adapter_of_row) if a == adapter], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A train step's rows with what the step gives each of them (:func:`step_rows`), made once
+    before its first forward pass.
+
+    of_adapter: each adapter's row indices; weights [N] float32: the sample weight of the row's
+    trajectory (``SampleReply.weights``; None: all 1); joint_idx [N] int64: the row's joint sample of
+    the HAPPO factor, one of ``n_joint`` (:func:`teamrl.learner.update.joint_rows`).
+    """
+
+    batch: RowBatch
+    of_adapter: Mapping[str, Tensor]
+    weights: Tensor | None
+    joint_idx: Tensor
+    n_joint: int
+
+
+def step_rows(
+    batch: RowBatch, adapters: Sequence[str], weights: Sequence[float] | None, happo_factor: FactorMode
+) -> StepRows:
+    """``batch`` with each adapter's rows, each row's sample weight (``weights``: one per trajectory,
+    None or empty: all 1) and its joint sample of the HAPPO factor (``happo_factor``)."""
+    row_weights = None
+    if weights is not None and len(weights) > 0:  # SampleReply.weights, one per trajectory
+        if len(weights) != batch.n_traj:
+            raise LearnerError(f"{len(weights)} sample weights for {batch.n_traj} trajectories")
+        row_weights = torch.tensor(list(weights), dtype=torch.float32)[batch.traj_idx]
+    joint_idx, n_joint = joint_rows(batch.traj_idx, batch.turn_idx, batch.n_traj, happo_factor)
+    return StepRows(batch, {a: batch.rows_of(a) for a in adapters}, row_weights, joint_idx, n_joint)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """A step's advantages, and the KL reference log-probs made in the same stage (the critic's base
+    pass gives both): row [N], one per row (None at token level); tok [N, R], per response token;
+    ref: each adapter with a KL term -> its rows' reference log-probs [rows, R]."""
+
+    row: Tensor | None
+    tok: Tensor
+    ref: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 Samples = Sequence[TrajectoryBatch] | Sequence[GraphTrajectory]
@@ -276,7 +322,17 @@ def row_advantages(
     singleton: Literal["batch", "zero", "raw"] = "batch",
 ) -> Tensor:
     """Outcome advantage of every row [N] (:func:`teamrl.learner.advantages.outcome_advantages`)."""
-    turn = batch.turn_idx if batch.turn_idx is not None else torch.zeros_like(batch.traj_idx)
     return outcome_advantages(
-        algorithm, batch.rewards, batch.group_idx, batch.agent_idx, batch.traj_idx, turn, singleton
+        algorithm, batch.rewards, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx, singleton
     )
+
+
+def outcome(
+    batch: RowBatch,
+    algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"],
+    singleton: Literal["batch", "zero", "raw"],
+) -> Advantages:
+    """The outcome advantages of ``batch``, per row and broadcast to its response tokens (no KL
+    reference: :meth:`teamrl.learner.engine.LearnerEngine.train_step` adds it where it is wanted)."""
+    row = row_advantages(batch, algorithm, singleton)
+    return Advantages(row, broadcast_to_tokens(row, batch.resp_mask))

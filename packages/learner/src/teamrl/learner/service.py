@@ -193,18 +193,18 @@ class LearnerService:
 
     def sample(
         self, on_reply: Callable[[list[Any], list[float]], Any] | None = None
-    ) -> tuple[list[Any], float]:
-        """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, wait s).
+    ) -> tuple[list[Any], list[float], float]:
+        """At least ``batch_size`` trajectories from the buffer (whole groups); returns (them, their
+        sample weights, wait s).
 
         Each reply's Arrow frame is validated once, on arrival, into ``TrajectoryBatch`` es that
-        stay columnar down to the tensors (``rows.build_rows``). Their sample weights
-        (``SampleReply.weights``, 1 where a reply carries none) are left in ``self.sample_weights``
-        for the train step. A reply that fails its checks is counted and asked for again.
-        ``on_reply(batches, weights)`` runs on each reply as it arrives (a streaming step trains
-        there); its time is not counted as waiting."""
+        stay columnar down to the tensors (``rows.build_rows``). The weights are one per trajectory
+        (``SampleReply.weights``, 1 where a reply carries none), for the train step. A reply that
+        fails its checks is counted and asked for again. ``on_reply(batches, weights)`` runs on each
+        reply as it arrives (a streaming step trains there); its time is not counted as waiting."""
         got: list[Any] = []
+        weights_got: list[float] = []
         n_got, busy = 0, 0.0
-        self.sample_weights: list[float] = []
         t0 = time.monotonic()
         while n_got < self.cfg.batch_size:
             self.timeline.enter("sample_wait")
@@ -218,13 +218,13 @@ class LearnerService:
             batches, weights = answer
             got.extend(batches)
             n_got += len(weights)
-            self.sample_weights.extend(weights)
+            weights_got.extend(weights)
             if on_reply is not None:
                 t = time.monotonic()
                 self.timeline.enter("forward_backward")
                 on_reply(batches, weights)
                 busy += time.monotonic() - t
-        return got, time.monotonic() - t0 - busy
+        return got, weights_got, time.monotonic() - t0 - busy
 
     def _ask(self, n: int, t0: float) -> tuple[list[Any], list[float]] | None:
         """One ``SampleRequest`` for ``n`` more trajectories: (batches, one weight per trajectory), or
@@ -362,18 +362,19 @@ class LearnerService:
         # the weights held now are exactly version ``self.version`` only right after a publish
         fresh = self.version if self.step % self.cfg.publish_interval == 0 else None
         if not self.cfg.train_weights:
-            return (*self.sample(), {})
+            trajectories, _, waited = self.sample()
+            return trajectories, waited, {}
         if self.cfg.stream_micro_batches:
             from teamrl.learner.streaming import StreamingStep
 
             stream = StreamingStep(self.engine, self.step, self.version, fresh)
-            trajectories, waited = self.sample(stream.add)
+            trajectories, _, waited = self.sample(stream.add)  # the stream took each reply's weights
             self.timeline.enter("forward_backward")
             return trajectories, waited, stream.finish().metrics
-        trajectories, waited = self.sample()
+        trajectories, weights, waited = self.sample()
         self.timeline.enter("forward_backward")
         res = self.engine.train_step(
-            trajectories, self.step, self.version, fresh_version=fresh, weights=self.sample_weights
+            trajectories, self.step, self.version, fresh_version=fresh, weights=weights
         )
         return trajectories, waited, res.metrics
 

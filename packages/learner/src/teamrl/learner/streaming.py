@@ -50,11 +50,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teamrl.learner.advantages import advantage_groups, broadcast_to_tokens, group_index
+from teamrl.learner.advantages import advantage_groups, group_index
 from teamrl.learner.distributed import _world
 from teamrl.learner.errors import LearnerError
 from teamrl.learner.policy_step import AdapterStep, StepData
-from teamrl.learner.rows import RowBatch, build_rows, row_advantages
+from teamrl.learner.rows import RowBatch, build_rows, outcome, row_advantages, step_rows
 
 __all__ = ["StreamingStep", "streams"]
 
@@ -71,8 +71,7 @@ def final_rows(batch: RowBatch, algorithm: str, singleton: str) -> Tensor:
     """[N] bool: rows whose outcome advantage no row outside their group can change."""
     if singleton != "batch":
         return torch.ones(batch.n_rows, dtype=torch.bool)
-    turn = batch.turn_idx if batch.turn_idx is not None else torch.zeros_like(batch.traj_idx)
-    ids = advantage_groups(algorithm, batch.group_idx, batch.agent_idx, batch.traj_idx, turn)
+    ids = advantage_groups(algorithm, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx)
     inverse, n = group_index(*ids)
     rows_in = torch.bincount(inverse, minlength=n)
     g_inv, n_g = group_index(batch.group_idx)
@@ -109,12 +108,11 @@ class StreamingStep:
             batch, _ = build_rows(self.batches, eng.adapters, obj.reward_source)
         except LearnerError:  # no trainable rows yet
             return 0
-        data = eng._prepare(batch, self.weights)
-        data.adv_row = row_advantages(batch, obj.algorithm, obj.singleton_advantage)
-        data.adv_tok = broadcast_to_tokens(data.adv_row, batch.resp_mask)
+        rows = step_rows(batch, eng.adapters, self.weights, eng.settings.optim.happo_factor)
+        data = StepData(rows, outcome(batch, obj.algorithm, obj.singleton_advantage))
         final = final_rows(batch, obj.algorithm, obj.singleton_advantage)
         # the chunks the whole step will cut (consecutive rows): all but the last are final already
-        chunks = eng.passes.chunks(data.rows[self.first], self.first, batch.row_lengths)[:-1]
+        chunks = eng.passes.chunks(rows.of_adapter[self.first], self.first, batch.row_lengths)[:-1]
         trained = 0
         for c in chunks[len(self.streamed) :]:
             if not bool(final[c].all()):
@@ -140,8 +138,8 @@ class StreamingStep:
             )
         self.started.stream(data, c, self.offset)
         self.streamed.append(c)
-        assert data.adv_row is not None
-        self.streamed_adv.append(data.adv_row[c])
+        assert data.adv.row is not None
+        self.streamed_adv.append(data.adv.row[c])
         self.offset += len(c)
 
     def finish(self) -> Any:
