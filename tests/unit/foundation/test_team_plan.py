@@ -138,8 +138,8 @@ def test_answer_from_scores_the_named_agent_not_the_last_of_a_role() -> None:
         return ActView(i, agent, agent, role, 0, text, text, list(parents), [i])
 
     acts = [act(0, "solver_a", "solver", "052;"), act(1, "solver_b", "solver", "999;")]
-    assert AdditionReward()(task, acts).trajectory == 0.0  # role rule: the last solver act (wrong)
-    assert AdditionReward(answer_agent="solver_a")(task, acts).trajectory == 1.0
+    assert AdditionReward().episode(task, acts).trajectory == 0.0  # role rule: the last solver act (wrong)
+    assert AdditionReward(answer_agent="solver_a").episode(task, acts).trajectory == 1.0
 
 
 def test_workflow_check_and_plan_commands(tmp_path: Path) -> None:

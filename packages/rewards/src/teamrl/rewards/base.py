@@ -1,27 +1,30 @@
-"""The reward interface, weighted composition and the registry.
+"""The one reward interface, weighted composition and the registry.
 
-Design: a reward is any callable ``reward(completion, task) -> RewardResult``. No base class:
-any function or object with that call fits, and no reward inherits behaviour it must then override.
-Every reward is *total*: whatever the completion is (garbage, an infinite loop, a fork bomb,
-unparsable math) it returns a result, with score 0 and a reason when it cannot score, within its
-configured timeout. Raising is reserved for operator errors (a task record missing a field:
-``TaskFormatError``).
+Design: every reward in teamrl is one :class:`Reward`: an object that scores a completion
+(``reward(completion, task) -> RewardResult``) and a workflow episode
+(``reward.episode(task, acts) -> EpisodeRewards``, from the acts of one episode, :class:`ActView`,
+to step, turn and trajectory rewards: UnityMAS-O's three levels). No base class to inherit from:
+any object with both methods fits (a per-completion reward scores an episode with
+:func:`team_outcome`), and :func:`get_reward` refuses one that does not. Every reward is *total*:
+whatever the completion is (garbage, an infinite loop, a fork bomb, unparsable math) it returns a
+result, with score 0 and a reason when it cannot score, within its configured timeout. Raising is
+reserved for operator errors (a task record missing a field: ``TaskFormatError``).
 
 Call sequence::
 
-    r = get_reward("math", timeout_s=2.0)          # or WeightedSum([(0.9, r1), (0.1, r2)])
-    res = r(completion_text, {"answer": "42"})
+    r = get_reward("math", timeout_s=2.0)          # or "outcome", "addition", "my_pkg.mod:MyReward"
+    res = r(completion_text, {"answer": "42"})     # one completion
     res.score, res.reason, res.details
+    ep = r.episode(task, acts)                     # one workflow episode (what the rollout calls)
+    ep.acts, ep.turns, ep.trajectory
 
 Registry entries are factories taking keyword arguments, so configs stay out of the classes: a
-caller passes a config table's keys straight through (``get_reward(name, **table)``).
-
-A workflow's team is scored one level up, per episode: an :class:`EpisodeReward` is
-``reward(task, acts) -> EpisodeRewards``, from the acts of one episode (:class:`ActView`, what a
-reward sees of each act) to step, turn and trajectory rewards (UnityMAS-O's three levels). Both
-shapes are defined here and nowhere else; the episode rewards (``teamrl.rewards.outcome``, named by
-a workflow's ``[reward]`` table) score each answering act as a completion (``OutcomeReward`` with a
-reward of the registry above).
+caller passes a config table's keys straight through (``get_reward(name, **table)``), the
+workflow's ``[reward]`` table (``name`` and ``kwargs``) included, and ``teamrl reward NAME``.
+The rewards that score an episode by roles (``addition``, ``outcome``: which acts answer, how a
+verifier's verdict is scored) are in ``teamrl.rewards.outcome``; docs/workflows.md shows the
+``[reward]`` table and a reward of one's own. Credit rules (``teamrl.rewards.credit``, a workflow's
+``[credit]`` table) are no rewards: they apportion an episode's reward among its agents.
 """
 
 from __future__ import annotations
@@ -51,13 +54,6 @@ class RewardResult:
         return {"score": self.score, "reason": self.reason, **self.details}
 
 
-@runtime_checkable
-class Reward(Protocol):
-    """A reward: ``__call__(completion, task) -> RewardResult``; never raises on bad completions."""
-
-    def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult: ...
-
-
 @dataclass
 class ActView:
     """What an episode reward sees of one node act (all its tool rounds together)."""
@@ -80,10 +76,60 @@ class EpisodeRewards:
     trajectory: float
 
 
-class EpisodeReward(Protocol):
-    """``(task, acts) -> EpisodeRewards``; may block (sandbox, sympy): it runs in a worker thread."""
+@runtime_checkable
+class Reward(Protocol):
+    """Every reward: one completion, or one workflow episode; never raises on bad completions.
 
-    def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards: ...
+    Both calls may block (sandbox, sympy): the rollout runs ``episode`` in a worker thread.
+    """
+
+    def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
+        """Score one completion against its task record."""
+        ...
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        """Score one workflow episode: a reward per act, per turn and for the trajectory."""
+        ...
+
+
+def team_outcome(
+    reward: Reward,
+    task: Mapping[str, Any],
+    acts: Sequence[ActView],
+    answers: Callable[[ActView], bool] | None = None,
+    other: Callable[[ActView, Mapping[int, float]], float | None] | None = None,
+) -> EpisodeRewards:
+    """``reward`` on an episode, the team sharing the outcome: each answering act (``answers``; role
+    ``solver`` by default) scored on its output, the last one's score the trajectory's; every other
+    act gets ``other(act, {answering act index: score})`` or, where that is None or not given, the
+    trajectory's. With the defaults this is a per-completion reward's ``episode``; ``outcome`` passes
+    its answering rule and its verifiers' verdict scores."""
+    answers = answers or _solver
+    own = {a.index: float(reward(a.output, task).score) for a in acts if answers(a)}
+    final = own[[a.index for a in acts if answers(a)][-1]] if own else 0.0
+    scores = []
+    for a in acts:
+        mine = own[a.index] if a.index in own else other(a, own) if other is not None else None
+        scores.append(final if mine is None else mine)
+    return by_answers(acts, scores, answers)
+
+
+def by_answers(
+    acts: Sequence[ActView], scores: list[float], answers: Callable[[ActView], bool]
+) -> EpisodeRewards:
+    """Episode rewards from each act's score: a turn's is its last answering act's, the trajectory's
+    the last answering act's (0 where none answered)."""
+    n_turns = max((a.turn for a in acts), default=-1) + 1
+    turns = []
+    for t in range(n_turns):
+        last = [s for a, s in zip(acts, scores, strict=True) if a.turn == t and answers(a)]
+        turns.append(last[-1] if last else 0.0)
+    final = [s for a, s in zip(acts, scores, strict=True) if answers(a)]
+    return EpisodeRewards(scores, turns, final[-1] if final else 0.0)
+
+
+def _solver(act: ActView) -> bool:
+    return act.role == "solver"
 
 
 def require(task: Mapping[str, Any], key: str, kind: type | tuple[type, ...], reward: str) -> Any:
@@ -125,6 +171,9 @@ class WeightedSum:
                 reason = f"{name}:{res.reason}"
         return RewardResult(total, reason, {"components": parts})
 
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)
+
 
 def _name_of(r: Reward, i: int) -> str:
     return str(getattr(r, "name", None) or f"term{i}")
@@ -138,6 +187,8 @@ _FACTORIES: dict[str, str] = {
     "qa_f1": "teamrl.rewards.qa:F1Reward",
     "format": "teamrl.rewards.shaping:FormatReward",
     "length": "teamrl.rewards.shaping:LengthReward",
+    "addition": "teamrl.rewards.outcome:AdditionReward",
+    "outcome": "teamrl.rewards.outcome:OutcomeReward",
 }
 
 
@@ -147,8 +198,7 @@ class _Registry(Mapping[str, Callable[..., Reward]]):
     def __getitem__(self, name: str) -> Callable[..., Reward]:
         if name not in _FACTORIES:
             raise UnknownReward(f"unknown reward {name!r}; registered: {sorted(_FACTORIES)}")
-        module, attr = _FACTORIES[name].split(":")
-        return getattr(importlib.import_module(module), attr)
+        return _import(_FACTORIES[name])
 
     def __iter__(self):
         return iter(_FACTORIES)
@@ -160,6 +210,11 @@ class _Registry(Mapping[str, Callable[..., Reward]]):
 REWARDS: Mapping[str, Callable[..., Reward]] = _Registry()
 
 
+def _import(target: str) -> Any:
+    module, attr = target.split(":", 1)
+    return getattr(importlib.import_module(module), attr)
+
+
 def register(name: str, target: str) -> None:
     """Register a factory by import path ``"package.module:Factory"`` (lazy; resolved on use)."""
     if ":" not in target:
@@ -167,6 +222,23 @@ def register(name: str, target: str) -> None:
     _FACTORIES[name] = target
 
 
+def reward_factory(name: str) -> Callable[..., Reward]:
+    """The factory of ``name``: a registered name, or ``"package.module:Factory"`` imported as is
+    (a reward of one's own, with no registration)."""
+    if name not in _FACTORIES and ":" in name:
+        return _import(name)
+    return REWARDS[name]
+
+
 def get_reward(name: str, **kwargs: Any) -> Reward:
-    """Build the reward registered under ``name`` with keyword arguments for its factory."""
-    return REWARDS[name](**kwargs)
+    """Build the reward ``name`` (see :func:`reward_factory`) with keyword arguments for its factory.
+
+    What the factory builds must be a :class:`Reward` (both calls), else ``TypeError``."""
+    reward = reward_factory(name)(**kwargs)
+    if not isinstance(reward, Reward):
+        raise TypeError(
+            f"reward {name!r} built a {type(reward).__name__}, which is no teamrl.rewards.base.Reward: "
+            "it needs __call__(completion, task) -> RewardResult and "
+            "episode(task, acts) -> EpisodeRewards (docs/workflows.md)"
+        )
+    return reward

@@ -32,10 +32,10 @@ import ast
 import errno
 import re
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from teamrl.rewards.base import RewardResult
+from teamrl.rewards.base import ActView, EpisodeRewards, RewardResult, team_outcome
 from teamrl.rewards.errors import TaskFormatError
 from teamrl.rewards.sandbox import Limits, SandboxOutcome, Step, run_python
 
@@ -254,3 +254,6 @@ class CodeReward:
         ):
             code = prompt + code
         return score_outcome(run_python(code, steps, self.limits), steps)
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)

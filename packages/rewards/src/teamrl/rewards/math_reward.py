@@ -55,11 +55,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
-from teamrl.rewards.base import RewardResult, require
+from teamrl.rewards.base import ActView, EpisodeRewards, RewardResult, require, team_outcome
 from teamrl.rewards.errors import SandboxUnavailable
 
 # --------------------------------------------------------------------------------------------- extraction
@@ -508,6 +508,9 @@ class MathReward:
         if equal:
             return RewardResult(1.0, "ok", {**details, "match": "symbolic"})
         return RewardResult(0.0, "wrong_answer" if reason == "compared" else reason, details)
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)
 
     def close(self) -> None:
         """Kill the math-verify worker (a later call starts a new one)."""

@@ -1,19 +1,29 @@
-"""Episode rewards: from the acts of one workflow episode to step, turn and trajectory rewards.
+"""The rewards that score a workflow episode by roles: which acts answer, how verdicts score.
 
-Each is an :class:`teamrl.rewards.base.EpisodeReward` (``(task, acts) -> EpisodeRewards``), named by
-a workflow's ``[reward]`` table (a key of :data:`EPISODE_REWARDS`, or ``module:factory``). The
+Each is a :class:`teamrl.rewards.base.Reward`, registered as ``addition`` and ``outcome`` and named
+by a workflow's ``[reward]`` table (docs/workflows.md). On an episode (``episode(task, acts)``) the
 answering acts (those of the workflow's ``reward.answer_from`` agent, else those of the answer role)
-give the turn rewards (each turn's last answering act) and the trajectory reward (the last one).
+give the turn rewards (each turn's last answering act) and the trajectory reward (the last one); on
+one completion (``reward(completion, task)``) each scores it as it scores an answering act.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from teamrl.rewards import addition
-from teamrl.rewards.base import ActView, EpisodeReward, EpisodeRewards, get_reward
+from teamrl.rewards.base import (
+    ActView,
+    EpisodeRewards,
+    Reward,
+    RewardResult,
+    by_answers,
+    get_reward,
+    require,
+    team_outcome,
+)
 
 
 class AdditionReward:
@@ -38,7 +48,15 @@ class AdditionReward:
         """A verifier's verdict in ``text``: True accept, False reject, None unparsable."""
         return addition.verifier_verdict(text)
 
-    def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+    def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
+        """A solver's completion: 1 if its answer (the digits before ``;``) is the sum."""
+        require(task, "answer", (str, int), "addition")
+        got = addition.parse_answer(completion)
+        score = addition.solver_reward(dict(task), completion)
+        reason = "ok" if score == 1.0 else "wrong_answer" if got else "no_answer"
+        return RewardResult(score, reason, {"prediction": got})
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
         scores = []
         for a in acts:
             if a.role == "verifier":
@@ -49,19 +67,7 @@ class AdditionReward:
                 scores.append(addition.solver_reward(dict(task), a.output))
         if self.role_scale:
             scores = [x * self.role_scale.get(a.role, 1.0) for x, a in zip(scores, acts, strict=True)]
-        return _outcome(acts, scores, self._answers)
-
-
-def _outcome(
-    acts: Sequence[ActView], scores: list[float], answers: Callable[[ActView], bool]
-) -> EpisodeRewards:
-    n_turns = max((a.turn for a in acts), default=-1) + 1
-    turns = []
-    for t in range(n_turns):
-        last = [s for a, s in zip(acts, scores, strict=True) if a.turn == t and answers(a)]
-        turns.append(last[-1] if last else 0.0)
-    final = [s for a, s in zip(acts, scores, strict=True) if answers(a)]
-    return EpisodeRewards(scores, turns, final[-1] if final else 0.0)
+        return by_answers(acts, scores, self._answers)
 
 
 class OutcomeReward:
@@ -69,14 +75,15 @@ class OutcomeReward:
 
     Answering acts (those of agent ``answer_agent`` when given, the workflow's
     ``reward.answer_from``; else those of role ``answer_role``) are scored on their own output view
-    (``reward`` from the registry, with ``reward_kwargs``); the last one is the trajectory reward; acts of ``verifier_role`` get 1 for a
-    correct verdict (``accept`` / ``reject`` regexes on their text) on the answer they read; every
-    other act gets the trajectory reward (team credit).
+    by ``reward`` (a :class:`Reward`, or a name for ``get_reward`` with ``reward_kwargs``); the last
+    one is the trajectory reward; acts of ``verifier_role`` get 1 for a correct verdict (``accept`` /
+    ``reject`` regexes on their text) on the answer they read; every other act gets the trajectory
+    reward (team credit).
     """
 
     def __init__(
         self,
-        reward: str,
+        reward: str | Reward,
         answer_role: str = "solver",
         reward_kwargs: Mapping[str, Any] | None = None,
         verifier_role: str | None = None,
@@ -85,34 +92,30 @@ class OutcomeReward:
         pass_threshold: float = 1.0,
         answer_agent: str = "",
     ) -> None:
-        self.scorer = get_reward(reward, **dict(reward_kwargs or {}))
+        self.scorer = (
+            reward if isinstance(reward, Reward) else get_reward(reward, **dict(reward_kwargs or {}))
+        )
         self.answer_role = answer_role
         self.answer_agent = answer_agent
         self.verifier_role = verifier_role
         self.accept, self.reject = re.compile(accept), re.compile(reject)
         self.pass_threshold = pass_threshold
 
-    def __call__(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
-        own: dict[int, float] = {}
-        for a in acts:
-            if self._answers(a):
-                own[a.index] = float(self.scorer(a.output, task).score)
-        answers = [a for a in acts if self._answers(a)]
-        final = own[answers[-1].index] if answers else 0.0
-        scores = []
-        for a in acts:
-            if a.index in own:
-                scores.append(own[a.index])
-            elif self.verifier_role and a.role == self.verifier_role:
-                read = [p for p in a.parents if p in own]
-                ok = own[read[-1]] >= self.pass_threshold if read else False
-                verdict = (
-                    True if self.accept.search(a.text) else False if self.reject.search(a.text) else None
-                )
-                scores.append(1.0 if verdict is not None and verdict == ok else 0.0)
-            else:
-                scores.append(final)
-        return _outcome(acts, scores, self._answers)
+    def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
+        """An answering act's score: ``reward`` on the completion."""
+        return self.scorer(completion, task)
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self.scorer, task, acts, self._answers, self._verifier_score)
+
+    def _verifier_score(self, a: ActView, own: Mapping[int, float]) -> float | None:
+        """1 for a verifier's correct verdict on the last answer it read; None for other roles."""
+        if not self.verifier_role or a.role != self.verifier_role:
+            return None
+        read = [p for p in a.parents if p in own]
+        ok = own[read[-1]] >= self.pass_threshold if read else False
+        verdict = self.verdict(a.text)
+        return 1.0 if verdict is not None and verdict == ok else 0.0
 
     def _answers(self, a: ActView) -> bool:
         return a.agent_id == self.answer_agent if self.answer_agent else a.role == self.answer_role
@@ -120,9 +123,3 @@ class OutcomeReward:
     def verdict(self, text: str) -> bool | None:
         """A verifier's verdict in ``text``: True accept, False reject, None unparsable."""
         return True if self.accept.search(text) else False if self.reject.search(text) else None
-
-
-EPISODE_REWARDS: dict[str, Callable[..., EpisodeReward]] = {
-    "addition": AdditionReward,
-    "outcome": OutcomeReward,
-}

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from teamrl.rewards.base import RewardResult
+from teamrl.rewards.base import ActView, EpisodeRewards, RewardResult, team_outcome
 from teamrl.rewards.errors import TaskFormatError
 
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -122,6 +122,9 @@ class ExactMatchReward:
         golds = gold_answers(task, self.name)
         return _best_result(_extract(self.answer_pattern, completion), golds, exact_match)
 
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)
+
 
 class F1Reward:
     """Token F1 against the best-matching gold answer, in [0, 1]."""
@@ -134,3 +137,6 @@ class F1Reward:
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
         golds = gold_answers(task, self.name)
         return _best_result(_extract(self.answer_pattern, completion), golds, token_f1)
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)

@@ -11,10 +11,10 @@ stays there (clipped), so a runaway generation costs a bounded amount.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from teamrl.rewards.base import RewardResult
+from teamrl.rewards.base import ActView, EpisodeRewards, RewardResult, team_outcome
 
 _FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
 
@@ -68,6 +68,9 @@ class FormatReward:
         details["match"] = found.group(0)[:200]
         return RewardResult(self.match_score, "ok", details)
 
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)
+
 
 def _count_chars(text: str) -> int:
     return len(text)
@@ -118,3 +121,6 @@ class LengthReward:
         score = -self.max_penalty * fraction if fraction > 0 else 0.0
         details = {"length": n, "unit": self.unit, "target": self.target, "limit": self.limit}
         return RewardResult(score, "ok" if fraction == 0 else "too_long", details)
+
+    def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
+        return team_outcome(self, task, acts)

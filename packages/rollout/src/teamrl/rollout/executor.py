@@ -337,12 +337,12 @@ def _link_steps(acts: list[_Act]) -> tuple[list[AgentStep], list[list[int]]]:
 async def _episode_rewards(
     workflow: Workflow, task: Mapping[str, Any], acts: list[_Act], views: list[ActView]
 ) -> EpisodeRewards:
-    """The workflow's reward function on the finished acts (all zero without one)."""
+    """The workflow's reward on the finished acts, ``episode(task, views)`` (all zero without one)."""
     n_turns = max((a.turn for a in acts), default=-1) + 1
     rewards = EpisodeRewards([0.0] * len(acts), [0.0] * n_turns, 0.0)
     fn = workflow.reward_fn()
     if fn is not None:
-        rewards = await asyncio.to_thread(fn, task, views)
+        rewards = await asyncio.to_thread(fn.episode, task, views)
         if len(rewards.acts) != len(acts):
             raise WorkflowError(
                 f"reward {workflow.reward.name!r} returned {len(rewards.acts)} act rewards for {len(acts)} acts"

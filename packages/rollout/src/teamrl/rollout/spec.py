@@ -139,7 +139,10 @@ class GraphSpec(_Strict):
 class RewardSpec(_Strict):
     """The reward function; ``answer_from`` names the agent whose output is the team's answer."""
 
-    name: str = Field(description="a key of teamrl.rewards.outcome.EPISODE_REWARDS, or 'module:factory'")
+    name: str = Field(
+        description="a reward of teamrl.rewards.base.REWARDS ('outcome', 'addition', 'math', ...), "
+        "or 'module:Factory' building a teamrl.rewards.base.Reward"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict)
     answer_from: str = Field(
         "",

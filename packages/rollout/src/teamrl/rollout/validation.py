@@ -19,7 +19,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from teamrl.rewards.outcome import EPISODE_REWARDS
+from teamrl.rewards.base import REWARDS
 from teamrl.rollout.spec import (
     END,
     AdapterSpec,
@@ -154,11 +154,9 @@ def _validate_credit(
 
 
 def _validate_reward(name: str, reward: RewardSpec | None, agent_ids: set[str]) -> None:
-    """The reward function is known (or 'module:function'); ``answer_from`` names an agent."""
-    if reward is not None and reward.name not in EPISODE_REWARDS and ":" not in reward.name:
-        raise WorkflowError(
-            f"workflow {name!r}: unknown reward {reward.name!r} (known: {sorted(EPISODE_REWARDS)})"
-        )
+    """The reward is registered (or 'module:Factory'); ``answer_from`` names an agent."""
+    if reward is not None and reward.name not in REWARDS and ":" not in reward.name:
+        raise WorkflowError(f"workflow {name!r}: unknown reward {reward.name!r} (known: {sorted(REWARDS)})")
     if reward is not None and reward.answer_from and reward.answer_from not in agent_ids:
         raise WorkflowError(
             f"workflow {name!r}: reward.answer_from names agent {reward.answer_from!r}, which is not "

@@ -47,8 +47,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
-from teamrl.rewards.base import EpisodeReward
-from teamrl.rewards.outcome import EPISODE_REWARDS
+from teamrl.rewards.base import Reward, get_reward
 from teamrl.rollout.spec import (
     AdapterSpec,
     AgentSpec,
@@ -62,7 +61,6 @@ from teamrl.rollout.spec import (
     _Strict,
     nodes_of,
     resolve_data_path,
-    resolve_name,
 )
 from teamrl.rollout.tools import Tool, build_tool
 from teamrl.rollout.validation import check_workflow, dag_levels
@@ -175,15 +173,16 @@ class Workflow(_Strict):
 
     # ------------------------------------------------------------------ built parts (cached)
 
-    def reward_fn(self) -> EpisodeReward | None:
+    def reward_fn(self) -> Reward | None:
+        """The ``[reward]`` table's reward, ``get_reward(name, **kwargs)`` (``answer_from`` passed
+        as ``answer_agent``), or None without one; episodes call its ``episode(task, acts)``."""
         if self.reward is None:
             return None
         if self._reward_fn is None:
-            factory = resolve_name(EPISODE_REWARDS, self.reward.name, "reward")
             kwargs = dict(self.reward.kwargs)
             if self.reward.answer_from:
                 kwargs["answer_agent"] = self.reward.answer_from
-            self._reward_fn = factory(**kwargs)
+            self._reward_fn = get_reward(self.reward.name, **kwargs)
         return self._reward_fn
 
     def built_tools(self) -> dict[str, Tool]:
