@@ -49,6 +49,7 @@ class SyncRun:
     def __init__(self, args: argparse.Namespace, plan: RunPlan) -> None:
         from teamrl.learner.config import LearnerConfig
         from teamrl.learner.engine import LearnerEngine, init_distributed
+        from teamrl.learner.settings import EngineSettings
         from teamrl.protocol.children import start_reaper
         from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
         from teamrl.rollout.engine import EngineConfig, RolloutEngine
@@ -67,7 +68,7 @@ class SyncRun:
 
         init_distributed("cpu")
         self.learner = LearnerEngine(
-            plan.model, self.lcfg.adapters, self.lcfg.engine_settings(), device="cpu"
+            plan.model, self.lcfg.adapters, EngineSettings.from_config(self.lcfg), device="cpu"
         )
         self.receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
         incarnation = uuid.uuid4().hex[:12]

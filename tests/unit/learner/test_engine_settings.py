@@ -61,7 +61,7 @@ def test_the_config_fills_every_setting_from_its_field_of_the_same_name() -> Non
         probe_prompt=[1],
         probe_completion=[2],
     )
-    s = cfg.engine_settings()
+    s = EngineSettings.from_config(cfg)
     assert (s.model.lora_rank, s.model.lora_alpha, dict(s.model.lora_ranks)) == (4, 8.0, {"b": 16})
     assert s.model.target_modules == tuple(cfg.lora.target_modules)
     for name, value in s.kwargs().items():

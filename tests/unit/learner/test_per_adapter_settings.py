@@ -119,6 +119,7 @@ def test_behaviour_log_probs_at_the_wrong_temperature_are_refused() -> None:
 
 def test_config_resolves_each_adapter_from_its_override_else_the_learner_value() -> None:
     from teamrl.learner.config import LearnerConfig
+    from teamrl.learner.settings import EngineSettings
 
     cfg = LearnerConfig(
         adapters=[COLD, HOT],
@@ -140,6 +141,6 @@ def test_config_resolves_each_adapter_from_its_override_else_the_learner_value()
     }
     hot = cfg.adapter_settings(HOT)
     assert (hot["lr"], hot["temperature"], hot["kl_coef"], hot["micro_batch_rows"]) == (3e-4, 0.9, 0.01, 16)
-    assert cfg.dtype == "auto" and cfg.engine_kwargs()["dtype"] == "auto"
-    eng_settings = cfg.engine_kwargs()["adapter_settings"]
+    assert cfg.dtype == "auto" and EngineSettings.config_kwargs(cfg)["dtype"] == "auto"
+    eng_settings = EngineSettings.config_kwargs(cfg)["adapter_settings"]
     assert eng_settings[COLD].temperature == 0.5 and eng_settings[HOT].temperature == 0.9

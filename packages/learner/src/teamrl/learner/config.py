@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,9 +33,6 @@ from teamrl.protocol.configfile import (
     load_section,
     load_toml,
 )
-
-if TYPE_CHECKING:  # settings.py imports this module: the settings take their defaults from it
-    from teamrl.learner.settings import EngineSettings
 
 
 class LearnerConfigError(ConfigError):
@@ -298,17 +295,6 @@ class LearnerConfig(_Strict):
                 "`teamrl workflow plan` prints them)"
             )
         return self
-
-    def engine_settings(self) -> EngineSettings:
-        """The settings of :class:`teamrl.learner.engine.LearnerEngine`
-        (:meth:`teamrl.learner.settings.EngineSettings.from_config`)."""
-        from teamrl.learner.settings import EngineSettings  # settings.py imports this module
-
-        return EngineSettings.from_config(self)
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """:meth:`engine_settings` as flat keywords (those of ``LearnerEngine.build``) and the adapters."""
-        return {"adapters": list(self.adapters), **self.engine_settings().kwargs()}
 
     def adapter_settings(self, adapter: str) -> dict[str, Any]:
         """Resolved per-adapter settings of one adapter (its override, else the learner-wide value)."""

@@ -281,19 +281,7 @@ class LearnerEngine:
             if pending and pending[0].adapter == adapter:
                 step = pending.pop().resume(data, factor)
             else:
-                obj = self.settings.objective
-                step = AdapterStep(
-                    self.net,
-                    self.passes,
-                    data,
-                    adapter,
-                    s,
-                    obj,
-                    action_level,
-                    factor,
-                    self.timeline,
-                    prox=prox.get(adapter),
-                )
+                step = self._adapter_step(data, adapter, action_level, factor, prox.get(adapter))
             out = step.run(n_micro[adapter])
             if out.prox is not None:
                 prox[adapter] = out.prox
@@ -312,6 +300,24 @@ class LearnerEngine:
         )
         self.net.trainable(None)
         return result, prox
+
+    def _adapter_step(
+        self, data: StepData, adapter: str, action_level: bool, factor: Tensor, prox: Tensor | None
+    ) -> AdapterStep:
+        """One adapter's update within the sequential loop (``prox``: its π_prox from an earlier epoch)."""
+        s = self.adapter_settings[adapter]
+        return AdapterStep(
+            self.net,
+            self.passes,
+            data,
+            adapter,
+            s,
+            self.settings.objective,
+            action_level,
+            factor,
+            self.timeline,
+            prox=prox,
+        )
 
     def _logprob_gap(
         self, rows: StepRows, prox: Mapping[str, Tensor], fresh_version: int | None, step: int

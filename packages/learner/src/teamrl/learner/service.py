@@ -43,6 +43,7 @@ from teamrl.learner.config import LearnerConfig, LearnerConfigError, load_learne
 # BF16_EPS and probe_atol are re-exported: tests and benches import them from here
 from teamrl.learner.publish import BF16_EPS, AdapterPublisher, announce_version, probe_atol  # noqa: F401
 from teamrl.learner.resume import RunCheckpoints
+from teamrl.learner.settings import EngineSettings
 from teamrl.learner.step_metrics import gauge_step, observe_lags, sample_row
 from teamrl.protocol.config import (
     TRANSPORT_EPILOG,
@@ -131,7 +132,7 @@ class LearnerService:
             (run_dir / "learner_config.json").write_text(
                 json.dumps({**cfg.model_dump(mode="json"), "model": self.model}, indent=1) + "\n"
             )
-        self.engine = LearnerEngine(self.model, cfg.adapters, cfg.engine_settings(), device=device)
+        self.engine = LearnerEngine(self.model, cfg.adapters, EngineSettings.from_config(cfg), device=device)
         self.engine.timeline = self.timeline  # forward_backward / optimiser within a step
         self._connect(buffer, publish, transport or TransportConfig())
         self.step = 0

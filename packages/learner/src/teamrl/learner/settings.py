@@ -187,6 +187,11 @@ class EngineSettings:
         )
 
     @classmethod
+    def config_kwargs(cls, cfg: LearnerConfig) -> dict[str, Any]:
+        """:meth:`from_config` as flat keywords (those of ``LearnerEngine.build``) and the adapters."""
+        return {"adapters": list(cfg.adapters), **cls.from_config(cfg).kwargs()}
+
+    @classmethod
     def from_kwargs(cls, adapter_settings: Mapping[str, AdapterSettings], **kwargs: Any) -> EngineSettings:
         """Settings from flat keywords (``lora_rank=4, objective="ppo", epochs=2``); a keyword names
         one field of one group, omitted ones keep their defaults. Raises TypeError on an unknown one."""
