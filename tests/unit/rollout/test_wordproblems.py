@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from teamrl.rollout.workflows import TASK_SETS, load_tasks, wordproblems
+from teamrl.rollout.workflows import TASK_SETS, WorkflowError, load_tasks, wordproblems
 
 
 def test_generator_is_seeded_unique_and_its_answers_are_right() -> None:
@@ -56,3 +56,21 @@ def test_difficulty_one_sets_and_refusals() -> None:
 
     with pytest.raises(WorkflowError, match="math-word task set only"):
         load_tasks("search-qa", difficulty=1)
+
+
+def test_max_number_bounds_every_written_number_and_leaves_the_default_sets_alone() -> None:
+    import re
+
+    train = load_tasks("math-word", difficulty=1, max_number=20)
+    held = load_tasks("math-word-held-out", difficulty=1, max_number=20)
+    assert (len(train), len(held)) == (525, 60)  # every one-step skeleton there is under 20
+    assert train == load_tasks("math-word", difficulty=1, max_number=20)
+    for t in train + held:
+        assert max(int(x) for x in re.findall(r"\d+", t["question"])) <= 20
+        assert len(t["solution"].splitlines()) == 1
+    assert not {t["skeleton"] for t in train} & {t["skeleton"] for t in held}
+    assert load_tasks("math-word", difficulty=1) == wordproblems.generate(1000, difficulty=1)
+    with pytest.raises(ValueError, match="max_number must be at least"):
+        wordproblems.generate(3, max_number=5)
+    with pytest.raises(WorkflowError, match="max_number applies to the math-word"):
+        load_tasks("addition", max_number=20)

@@ -180,6 +180,12 @@ class TaskSource(_Strict):
         description="math-word only: arithmetic steps per problem, 1 (one add, take-away, multiply or "
         "share) to 3; none = 2 or 3, the default set (docs/real-model.md, 'Task difficulty')",
     )
+    max_number: int | None = Field(
+        None,
+        ge=10,
+        description="math-word only: no number written in a problem above this (10 or more); with "
+        "difficulty, the level of a task set for a small model (docs/real-model.md, 'Task difficulty')",
+    )
 
 
 def nodes_of(graph: GraphSpec, agents: Sequence[AgentSpec]) -> list[NodeSpec]:

@@ -133,7 +133,9 @@ def split_tasks(wf: Workflow, tasks_path: str | Path | None = None) -> tuple[lis
     all_tasks = tasks_for(wf, path=tasks_path or None)
     held_split = HELD_OUT_SPLITS.get(wf.tasks.builtin or "") if not tasks_path else None
     if held_split:
-        return all_tasks, load_tasks(held_split, seed=wf.tasks.seed, difficulty=wf.tasks.difficulty)
+        return all_tasks, load_tasks(
+            held_split, seed=wf.tasks.seed, difficulty=wf.tasks.difficulty, max_number=wf.tasks.max_number
+        )
     k = max(1, len(all_tasks) // 10) if len(all_tasks) > 1 else 0
     return all_tasks[: len(all_tasks) - k], all_tasks[len(all_tasks) - k :]
 

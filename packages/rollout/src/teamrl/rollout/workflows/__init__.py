@@ -122,6 +122,7 @@ def load_tasks(
     seed: int = 0,
     n: int = 1000,
     difficulty: int | None = None,
+    max_number: int | None = None,
 ) -> list[dict[str, Any]]:
     """Tasks of a built-in set (``TASK_SETS``) or of a JSONL/Parquet file (``path``, format ``fmt``).
 
@@ -130,10 +131,13 @@ def load_tasks(
     ``math-word`` is ``5 n`` multi-step word problems and ``math-word-held-out`` ``n / 2`` others whose
     arithmetic never occurs in ``math-word`` (``teamrl.rollout.workflows.wordproblems``);
     ``difficulty`` (math-word only) fixes their number of steps: at difficulty 1, 1,000 train and 100
-    held-out problems (all but a few of the one-step skeletons there are).
+    held-out problems (all but a few of the one-step skeletons there are); ``max_number`` bounds the
+    numbers written in them, and the sets hold what there is up to those sizes (at difficulty 1 and
+    20: 525 train, 60 held-out; docs/real-model.md, 'Task difficulty').
     """
-    if difficulty is not None and source not in ("math-word", "math-word-held-out"):
-        raise WorkflowError(f"tasks.difficulty applies to the math-word task set only, not {source!r}")
+    for name, value in (("difficulty", difficulty), ("max_number", max_number)):
+        if value is not None and source not in ("math-word", "math-word-held-out"):
+            raise WorkflowError(f"tasks.{name} applies to the math-word task set only, not {source!r}")
     if path is not None:
         return load_task_file(path, fmt)
     if source in ("addition", "addition-held-out"):
@@ -152,7 +156,12 @@ def load_tasks(
         split = "train" if source == "math-word" else "held-out"
         size = (n, n // 10) if difficulty == 1 else (n * 5, n // 2)
         return wordproblems.generate(
-            n=size[0] if split == "train" else size[1], seed=seed, split=split, difficulty=difficulty
+            n=size[0] if split == "train" else size[1],
+            seed=seed,
+            split=split,
+            difficulty=difficulty,
+            max_number=max_number,
+            at_most=max_number is not None,
         )
     if source == "humaneval":
         return load_task_file(humaneval_source()[0], "humaneval")
@@ -168,4 +177,4 @@ def tasks_for(workflow: Workflow, path: str | Path | None = None) -> list[dict[s
         from teamrl.rollout.spec import resolve_data_path
 
         return load_task_file(path if path is not None else resolve_data_path(str(src.path)), src.format)
-    return load_tasks(src.builtin, seed=src.seed, difficulty=src.difficulty)
+    return load_tasks(src.builtin, seed=src.seed, difficulty=src.difficulty, max_number=src.max_number)

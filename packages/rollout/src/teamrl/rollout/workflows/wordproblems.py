@@ -38,6 +38,7 @@ from typing import Any, Literal
 HELD_OUT_PERCENT = 10
 DIFFICULTIES = (1, 2, 3)  # arithmetic steps per problem (TaskSource.difficulty)
 MAX_VALUE = 300
+MIN_NUMBER = 10  # the smallest max_number: every step kind still has numbers to draw
 SPLITS = ("train", "held-out")
 
 NAMES = (
@@ -147,9 +148,12 @@ class _Draft:
         }
 
 
-def _one(rng: random.Random, steps: int | None = None) -> tuple[str, dict[str, Any]] | None:
+def _one(
+    rng: random.Random, steps: int | None = None, max_number: int | None = None
+) -> tuple[str, dict[str, Any]] | None:
     """One random problem as (skeleton key, record without id), or None when a draw is rejected;
-    ``steps`` arithmetic steps (None: 2 or 3, drawn)."""
+    ``steps`` arithmetic steps (None: 2 or 3, drawn); ``max_number``: no number written in the
+    problem above it (None: no bound beyond the generator's own ranges)."""
     n_steps = rng.choice((2, 3)) if steps is None else steps
     name, pron = rng.choice(NAMES)
     d = _Draft(name, pron, rng.choice(ITEMS))
@@ -160,6 +164,8 @@ def _one(rng: random.Random, steps: int | None = None) -> tuple[str, dict[str, A
         if not _STEP_KINDS[rng.choice(kinds)](rng, d):
             return None
     if any(s.value <= 0 or s.value >= MAX_VALUE for s in d.steps):
+        return None
+    if max_number is not None and any(x > max_number for p in d.parts for x in p if isinstance(x, int)):
         return None
     return _skeleton_key(d.parts), d.record()
 
@@ -248,21 +254,28 @@ def generate(
     split: Literal["train", "held-out"] = "train",
     max_draws: int | None = None,
     difficulty: int | None = None,
+    max_number: int | None = None,
+    at_most: bool = False,
 ) -> list[dict[str, Any]]:
     """``n`` problems of ``split`` (the same arguments always give the same list; no skeleton repeats).
 
     ``difficulty``: the arithmetic steps of every problem, 1 to 3 (None: 2 or 3, the default set, as
     before the setting existed). One-step problems have fewer distinct skeletons: at most ~1,500
-    train and ~150 held-out.
+    train and ~150 held-out. ``max_number`` (``MIN_NUMBER`` or more): no number written in a problem
+    above it, the other half of a problem's difficulty for a small model (docs/real-model.md).
 
     Raises ``ValueError`` for an unknown split or difficulty, or when ``max_draws`` draws (default
-    ``200 n + 10000``) do not yield ``n`` distinct problems of the split.
+    ``200 n + 10000``) do not yield ``n`` distinct problems of the split (``at_most``: the fewer
+    found are the list, for bounds with fewer problems than asked).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} (splits: {list(SPLITS)})")
     if difficulty is not None and difficulty not in DIFFICULTIES:
         raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
-    rng = random.Random(f"teamrl-wordproblems-{seed}" + (f"-d{difficulty}" if difficulty else ""))
+    if max_number is not None and max_number < MIN_NUMBER:
+        raise ValueError(f"max_number must be at least {MIN_NUMBER}, got {max_number!r}")
+    tag_n = f"-n{max_number}" if max_number is not None else ""
+    rng = random.Random(f"teamrl-wordproblems-{seed}" + (f"-d{difficulty}" if difficulty else "") + tag_n)
     seen: set[str] = set()
     out: list[dict[str, Any]] = []
     budget = max_draws if max_draws is not None else 200 * n + 10_000
@@ -270,7 +283,7 @@ def generate(
     for _ in range(budget):
         if len(out) >= n:
             break
-        drawn = _one(rng, difficulty)
+        drawn = _one(rng, difficulty, max_number)
         if drawn is None:
             continue
         key, rec = drawn
@@ -278,7 +291,7 @@ def generate(
             continue
         seen.add(key)
         out.append({"id": f"{tag}-{seed}-{len(out)}", **rec, "skeleton": key})
-    if len(out) < n:
+    if len(out) < n and not at_most:
         raise ValueError(f"only {len(out)} distinct {split} problems in {budget} draws (asked for {n})")
     return out
 
