@@ -3,7 +3,7 @@
 Design: a pydantic model read from TOML (the ``[learner]`` section, or the
 whole file when it has none); validators only *check* that values agree and raise, they never copy a
 value from one field to another (a silent copy hides which value is in force).
-:meth:`LearnerConfig.engine_settings` turns the config into the frozen settings of
+:meth:`teamrl.learner.settings.EngineSettings.from_config` turns the config into the frozen settings of
 :class:`teamrl.learner.engine.LearnerEngine` (:mod:`teamrl.learner.settings`), which never sees this
 class, so a test builds an engine without a config file. This config is the one source of every
 setting: a setting keeps its name from here to the engine (the settings' fields are named after this

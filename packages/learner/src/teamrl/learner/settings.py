@@ -2,9 +2,9 @@
 
 :class:`teamrl.learner.engine.LearnerEngine` is built from one :class:`EngineSettings` (plus the model
 folder, the adapter names and the device). A learner process gets it from its config
-(:meth:`EngineSettings.from_config`, which ``LearnerConfig.engine_settings`` calls); a test or a
-benchmark gets it from keywords (:meth:`EngineSettings.from_kwargs`, which ``LearnerEngine.build``
-uses), so an engine needs no config file. What each setting means is documented once, on the config's field of the same name
+(:meth:`EngineSettings.from_config`); a test or a benchmark gets it from keywords
+(:meth:`EngineSettings.from_kwargs`, which ``LearnerEngine.build`` uses), so an engine needs no
+config file. What each setting means is documented once, on the config's field of the same name
 (docs/algorithms.md for the algorithms behind them), and its default is written there alone.
 
 Design decisions:
