@@ -75,6 +75,31 @@ def summarise(run: Path, wall: float, target: float) -> dict:
     return out
 
 
+def with_latency(workflow: str, reward_s: float, tool_s: float, root: Path) -> str:
+    """``workflow`` itself, or (with a latency) a copy written to ``root`` whose ``[reward]`` and
+    ``[tools.*]`` tables carry ``latency_s`` (docs/running.md, "Tool and reward latency")."""
+    if not reward_s and not tool_s:
+        return workflow
+    import tomllib
+
+    import tomli_w
+
+    from teamrl.rollout.workflows import BUILTIN, shipped
+
+    files = shipped()
+    if workflow in BUILTIN:
+        data = json.loads(json.dumps(BUILTIN[workflow]))
+    else:
+        data = tomllib.loads(Path(files.get(workflow, workflow)).read_text())
+    if reward_s:
+        data.setdefault("reward", {})["latency_s"] = reward_s
+    for table in data.get("tools", {}).values():
+        table["latency_s"] = tool_s or table.get("latency_s", 0.0)
+    path = root / f"{Path(workflow).stem}-latency.toml"
+    path.write_text(tomli_w.dumps(data))
+    return str(path)
+
+
 def mean_ci(xs: list[float]) -> tuple[float, float, int]:
     """(mean, half-width of the 95 % confidence interval, n) of the finite values; nan where n < 2."""
     xs = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
@@ -231,6 +256,20 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="passed to both runs (e.g. verifier=10 for (b): agents with different reward scales)",
     )
+    p.add_argument("--workflow", default="addition-duo", help="workflow name or TOML (default addition-duo)")
+    p.add_argument(
+        "--reward-latency",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="[reward] latency_s of both runs: each episode waits S s before it is scored (a remote verifier)",
+    )
+    p.add_argument(
+        "--tool-latency", type=float, default=0.0, metavar="S", help="latency_s of every [tools] table"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="passed to both runs"
+    )
     p.add_argument("--quick", action="store_true", help="6 steps of 4x4: checks the script, not the science")
     p.add_argument(
         "--out", default=None, help="folder for the runs, summary and plots (default: a temp folder)"
@@ -248,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     for item in args.reward_scale:
         common += ["--reward-scale", item]
+    for item in args.set:
+        common += ["--set", item]
+    workflow = with_latency(args.workflow, args.reward_latency, args.tool_latency, root)
     names = ["_".join(v[1::2][:1]) for v in VARIANTS[args.what]]
     seeds = list(range(args.seed, args.seed + args.seeds))
     per_seed: dict[str, list[dict]] = {n: [] for n in names}
@@ -255,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, variant in zip(names, VARIANTS[args.what], strict=True):
             run = root / f"{name}-seed{seed}"
             t0 = time.time()
-            cmd = [sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", "addition-duo"]
+            cmd = [sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", workflow]
             cmd += ["--run-dir", str(run), "--seed", str(seed), *common, *variant]
             res = subprocess.run(cmd, capture_output=True, text=True)
             wall = time.time() - t0

@@ -384,12 +384,23 @@ def _apply_user_config(
         apply_overrides(out, [s for s in sets or []])
     except ConfigError as e:
         raise PlanError(f"--set: {e}") from None
+    _streaming_min_size(cfg, out)
     unknown = sorted(set(out) - set(SECTIONS))
     if unknown:
         raise PlanError(
             f"--set: unknown sections {unknown} (known: {', '.join(SECTIONS)}; run settings are flags)"
         )
     return out
+
+
+def _streaming_min_size(planned: dict[str, dict[str, Any]], out: dict[str, dict[str, Any]]) -> None:
+    """A streaming learner (``learner.stream_micro_batches``) trains each group as it arrives, so the
+    buffer serves from one group on: ``buffer.min_size`` becomes the group size unless the user set it."""
+    buf, learner = out.get("buffer", {}), out.get("learner", {})
+    if learner.get("stream_micro_batches") is True and buf.get("min_size") == planned["buffer"].get(
+        "min_size"
+    ):
+        buf["min_size"] = buf.get("group_size", buf.get("min_size"))
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:

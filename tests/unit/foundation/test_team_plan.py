@@ -293,3 +293,20 @@ def test_sampling_the_learner_cannot_reproduce_is_refused(
     path.write_text(to_toml(_clean(data)))
     with pytest.raises(WorkflowError, match=pattern):
         plan_team(path, model)
+
+
+def test_a_streaming_learner_is_served_from_one_group_on(tmp_path: Path) -> None:
+    """``--set learner.stream_micro_batches=true`` makes the buffer serve from one group (the streamed
+    step trains groups as they arrive); a ``buffer.min_size`` the user set is kept."""
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj"))
+
+    def buffer(*extra: str) -> dict:
+        argv = ["--workflow", "addition-duo", "--model", str(model), "--group-size", "4", *extra]
+        return plan(parse_args(argv, "teamrl run", None, str(tmp_path / "run")), build=False).config["buffer"]
+
+    assert buffer()["min_size"] == 16 * 4
+    assert buffer("--set", "learner.stream_micro_batches=true")["min_size"] == 4
+    assert buffer("--set", "learner.stream_micro_batches=true", "--set", "buffer.min_size=8")["min_size"] == 8

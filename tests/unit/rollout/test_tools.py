@@ -211,3 +211,34 @@ def test_code_reflect_reviewer_runs_python_through_the_sandbox() -> None:
     assert traj.steps[1].tool_calls[0].result == "2"
     assert [s.parents.tolist() for s in traj.steps] == [[], [0], [0, 1], [0, 1, 2]]
     assert traj.reward == 1.0
+
+
+def test_tool_and_reward_latency_hold_no_core_other_episodes_go_on() -> None:
+    """``latency_s`` of a tool and of ``[reward]`` is awaited on the event loop: 8 concurrent episodes,
+    each waiting once on a 0.4 s search and once on a 0.4 s reward, take about 0.8 s, not 8 x 0.8 s;
+    and a bad latency is refused when the tool is built."""
+    import time
+
+    data = load("search-qa").model_dump()
+    data["tools"]["search"]["latency_s"] = 0.4
+    data["reward"]["latency_s"] = 0.4
+    wf = Workflow.from_dict(data)
+    task = {"id": "q", "question": "Who designed the Grey Needle lighthouse?", "answers": ["Mirela Ostrak"]}
+
+    async def many() -> list:
+        return await asyncio.gather(
+            *(
+                run_episode(wf, task, Scripted({"team-lora": ['<tool name="search">Grey Needle</tool>', "notes", "x"]}),
+                            tokenizers=BYTES, seed=i, incarnation="i", seq=i, group_id="g")
+                for i in range(8)
+            )
+        )  # fmt: skip
+
+    t0 = time.perf_counter()
+    trajs = asyncio.run(many())
+    took = time.perf_counter() - t0
+    assert all(t.steps[0].tool_calls for t in trajs)
+    assert 0.8 <= took < 2.4, f"8 episodes with 0.4 s + 0.4 s of latency took {took:.2f} s"
+    assert wf.built_tools()["search"].latency_s == 0.4
+    with pytest.raises(ValueError, match=r"latency_s must be a number of seconds"):
+        build_tool("s", {"kind": "python", "latency_s": -1})

@@ -250,6 +250,7 @@ async def _run_act(
             break
         if call.name in agent.tools:
             tool = tools[call.name]
+            await asyncio.sleep(getattr(tool, "latency_s", 0.0))  # the world's latency holds no core
             result = await asyncio.to_thread(tool, call.arguments)
         else:
             result = f"unknown tool {call.name!r}; available: {', '.join(agent.tools)}"
@@ -342,6 +343,8 @@ async def _episode_rewards(
     rewards = EpisodeRewards([0.0] * len(acts), [0.0] * n_turns, 0.0)
     fn = workflow.reward_fn()
     if fn is not None:
+        if workflow.reward.latency_s:  # a remote verifier's latency: other episodes generate meanwhile
+            await asyncio.sleep(workflow.reward.latency_s)
         rewards = await asyncio.to_thread(fn.episode, task, views)
         if len(rewards.acts) != len(acts):
             raise WorkflowError(

@@ -149,6 +149,13 @@ class RewardSpec(_Strict):
         description="agent id whose last act is the team's answer (its score is the trajectory reward); "
         "'' = the reward's role rule (the last act of role 'solver' / kwargs.answer_role)",
     )
+    latency_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=600.0,
+        description="seconds an episode waits before it is scored, as a remote verifier or test runner "
+        "takes (awaited off the cores: other episodes keep generating)",
+    )
 
 
 class CreditSpec(_Strict):

@@ -18,6 +18,10 @@ Design decisions:
   Only operator errors (an unreadable corpus) raise, at construction.
 * **The Python tool reuses ``teamrl.rewards.sandbox``** (rlimits, own process group, no network,
   wall-clock kill); it reports stdout, then the error the harness caught, if any.
+* **Latency is a setting of every tool** (``latency_s``, default 0): the seconds a call takes
+  before its result comes back, as a web search API or a remote test runner takes (0.3-1 s). The
+  executor awaits it on the event loop (``asyncio.sleep``), so other episodes keep generating while
+  one waits: no core idles on a sleeping episode (docs/running.md, "Tool and reward latency").
 * **BM25 is written here** (Robertson-Sparck Jones idf with the +1 inside the log so it is
   never negative, ``k1=1.5``, ``b=0.75``): a corpus of a few thousand passages needs no index
   library, and the ranking is deterministic (ties broken by document order).
@@ -45,6 +49,7 @@ class Tool(Protocol):
     """``tool(arguments) -> result text``; never raises for anything the model wrote."""
 
     name: str
+    latency_s: float  # optional (0 when absent): seconds a call waits before its result (docstring)
 
     def __call__(self, arguments: str) -> str: ...
 
@@ -74,13 +79,27 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[:max_chars] + f"...[{len(text) - max_chars} chars cut]"
 
 
+def _latency(name: str, latency_s: float) -> float:
+    if not isinstance(latency_s, int | float) or isinstance(latency_s, bool) or not 0.0 <= latency_s <= 600.0:
+        raise ValueError(
+            f"tool {name!r}: latency_s must be a number of seconds in [0, 600], got {latency_s!r}"
+        )
+    return float(latency_s)
+
+
 class PythonTool:
     """Run the model's code in the sandbox; the result is its stdout plus any error it raised."""
 
     def __init__(
-        self, name: str = "python", timeout_s: float = 5.0, memory_mb: int = 512, max_chars: int = 2000
+        self,
+        name: str = "python",
+        timeout_s: float = 5.0,
+        memory_mb: int = 512,
+        max_chars: int = 2000,
+        latency_s: float = 0.0,
     ) -> None:
         self.name = name
+        self.latency_s = _latency(name, latency_s)
         self.limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb, output_bytes=max(max_chars * 4, 1024))
         self.max_chars = max_chars
 
@@ -179,8 +198,16 @@ def read_documents(path: str | Path) -> list[Document]:
 class SearchTool:
     """BM25 search: the result lists the top ``k`` documents as ``[title] text`` lines."""
 
-    def __init__(self, index: BM25Index, name: str = "search", k: int = 3, max_chars: int = 1500) -> None:
+    def __init__(
+        self,
+        index: BM25Index,
+        name: str = "search",
+        k: int = 3,
+        max_chars: int = 1500,
+        latency_s: float = 0.0,
+    ) -> None:
         self.name = name
+        self.latency_s = _latency(name, latency_s)
         self.index = index
         self.k = k
         self.max_chars = max_chars
