@@ -91,6 +91,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace, list[str]], int] | 
         _delegate("teamrl.cli.workflow_cmd"),
     ),
     "show": ("write a self-contained HTML report of a run folder", _delegate("teamrl.cli.show")),
+    "cluster": (
+        "model the pipeline in simulated time: check it against runs, predict N x M devices (`teamrl cluster -h`)",
+        _delegate("teamrl.cli.cluster_cmd"),
+    ),
 }
 
 

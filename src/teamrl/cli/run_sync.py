@@ -31,6 +31,7 @@ from typing import Any
 
 from teamrl.cli.plan import RunPlan, config_toml
 from teamrl.cli.trackers import start_trackers
+from teamrl.protocol.timeline import Timeline
 
 
 def _mean(xs: list[float]) -> float:
@@ -60,6 +61,9 @@ class SyncRun:
         self.run_dir = Path(args.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.t_begin = time.time()
+        # one lane, "sync": where the loop's time goes (teamrl show draws it beside an async run's lanes)
+        self.tl = Timeline("sync", path=self.run_dir / "timeline.jsonl")
+        self.tl.enter("setup")
         (self.run_dir / "config.toml").write_text(config_toml(plan.config))
         (self.run_dir / "config.json").write_text(json.dumps({**vars(args), "model": plan.model}, indent=1))
         rcfg, self.lcfg = plan.config["rollout"], LearnerConfig.model_validate(plan.config["learner"])
@@ -100,6 +104,7 @@ class SyncRun:
 
     async def run(self) -> int:
         await self.eng.start()
+        self.tl.enter("loop")
         print(f"[teamrl] vLLM engine up after {time.time() - self.t_begin:.0f} s", flush=True)
         self.export(0)
         await self.publish(0)
@@ -157,7 +162,8 @@ class SyncRun:
         return {**res, "sha256": sha[:12]}
 
     async def evaluate(self, step: int, version: int) -> dict[str, float]:
-        ev = await self.runner.evaluate(self.held_out)
+        with self.tl.state("evaluate"):
+            ev = await self.runner.evaluate(self.held_out)
         row = {"step": step, "time": time.time() - self.t_begin, "version": version, **ev}
         self.eval_f.write(json.dumps(row) + "\n")
         self.eval_f.flush()
@@ -193,12 +199,16 @@ class SyncRun:
         from teamrl.rollout.engine import AdapterRefused
 
         t0 = time.time()
-        got, t_gen = await self.generate(step)
-        res = self.learner.train_step(got, step, self.version, fresh_version=self.version)
+        with self.tl.state("generating"):
+            got, t_gen = await self.generate(step)
+        with self.tl.state("training"):
+            res = self.learner.train_step(got, step, self.version, fresh_version=self.version)
         self.version += 1
-        self.export(self.version)
+        with self.tl.state("export"):
+            self.export(self.version)
         try:  # with --policy-lag k the rollouts get version - k: the next batch is k versions stale
-            pub = await self.publish(self.version - self.lag) if self.version - self.lag > 0 else {}
+            with self.tl.state("publish"):
+                pub = await self.publish(self.version - self.lag) if self.version - self.lag > 0 else {}
         except AdapterRefused as e:
             print(f"[teamrl] v{self.version} refused ({e.reason}): {e}", file=sys.stderr, flush=True)
             pub = {"probe_err": float("nan")}
@@ -229,6 +239,7 @@ class SyncRun:
         )
 
     async def finish(self) -> None:
+        self.tl.close()
         self.sender.close()
         self.receiver.close()
         await self.eng.close()

@@ -295,6 +295,9 @@ def verdict(found: list[Lane]) -> str:
 
     learner = waiting("learner", {"sample_wait"})
     rollout = waiting("rollout", {"weights_wait", "budget_wait"})
+    sync = waiting("sync", {"generating"}), waiting("sync", {"training", "export", "publish"})
+    if sync[0] is not None and sync[1] is not None:  # one lane: the loop's share in each phase
+        return f"sync: generating {sync[0]:.0%} of the loop, training and publishing {sync[1]:.0%}"
     if learner is None or rollout is None:
         return ""
     side = "rollout-bound" if learner > rollout else "learner-bound"
