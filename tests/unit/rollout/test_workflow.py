@@ -628,6 +628,11 @@ def test_judge_credit_apportions_by_the_model_and_falls_back_counted() -> None:
     assert traj.metadata["critique"] == "the solver carried it" and traj.metadata["credit_reason"] == "ok"
     judge_call = be.calls[-1]
     assert judge_call["adapter"] == "" and judge_call["sampling"].max_tokens == 64  # base weights
+    schema = judge_call["sampling"].json_schema  # sampled under the credit object's schema by default
+    assert schema["properties"]["credits"]["required"] == ["solver", "verifier"]
+    free = Scripted({"solver-lora": ["52;"], "verifier-lora": ["1;"], "": [answer]}, tok=BYTES)
+    episode(_duo({"rule": "judge", "structured": False}), free, tok=BYTES)
+    assert free.calls[-1]["sampling"].json_schema is None
     assert "Team reward: 1.0" in BYTES.decode(judge_call["prompt"])
 
     before = {r: JUDGE_FALLBACKS.labels(r)._value.get() for r in ("unparsable", "untokenizable")}

@@ -231,6 +231,27 @@ def _json_objects(text: str) -> list[Any]:
     return found
 
 
+def judge_schema(agents: Sequence[str], max_critique_chars: int = 400) -> dict[str, Any]:
+    """The JSON schema of the judge's answer (what :func:`parse_judge_answer` reads): a number per
+    agent and a critique. Sampled under it (vLLM structured outputs), a small judge still writes a
+    parsable object; a zero sum is still refused by the parser (and counted as a fallback)."""
+    names = _unique(agents)
+    return {
+        "type": "object",
+        "properties": {
+            "credits": {
+                "type": "object",
+                "properties": {a: {"type": "number"} for a in names},
+                "required": names,
+                "additionalProperties": False,
+            },
+            "critique": {"type": "string", "maxLength": max_critique_chars},
+        },
+        "required": ["credits", "critique"],
+        "additionalProperties": False,
+    }
+
+
 def parse_judge_answer(answer: Any, agents: Sequence[str]) -> tuple[dict[str, float], str]:
     """``(shares, critique)`` from the judge's text; raises ``ValueError`` saying what was wrong.
 

@@ -51,6 +51,16 @@ class Sampling:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: fixed-length responses
+    json_schema: dict[str, Any] | None = None  # vLLM structured outputs: the response is this JSON (judge)
+
+
+def _structured(schema: dict[str, Any] | None) -> Any:
+    """vLLM's structured-output constraint for a JSON schema (None: free text)."""
+    if schema is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=schema)
 
 
 @dataclass
@@ -186,6 +196,7 @@ class RolloutEngine:
             stop_token_ids=list(sampling.stop_token_ids) or None,
             ignore_eos=sampling.ignore_eos,
             seed=seed,
+            structured_outputs=_structured(sampling.json_schema),
         )
         lora, entry = self._lora(adapter)
         version = entry.version if entry else 0

@@ -400,7 +400,8 @@ async def _assign_credit(
     try:
         tok = _tokenizer_for(tokenizers, model_id)
         ids = tok.chat([{"role": "user", "content": prompt}]) or tok.encode(prompt)
-        samp = Sampling(max_tokens=spec.max_tokens, temperature=spec.temperature)
+        schema = C.judge_schema(agents) if spec.structured else None
+        samp = Sampling(max_tokens=spec.max_tokens, temperature=spec.temperature, json_schema=schema)
         gen = await _backend_for(backend, model_id).generate(ids, samp, adapter="", seed=seed)
         shares, critique = C.parse_judge_answer(gen.text, list(dict.fromkeys(agents)))
         total = sum(shares.values())

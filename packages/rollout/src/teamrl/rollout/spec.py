@@ -169,6 +169,11 @@ class CreditSpec(_Strict):
     judge_model: str = Field("", description="judge: model id of this workflow (default: the first agent's)")
     max_tokens: int = Field(256, ge=1, description="judge: answer length in tokens")
     temperature: float = Field(0.0, ge=0.0, description="judge: sampling temperature")
+    structured: bool = Field(
+        True,
+        description="judge: sample under the credit object's JSON schema (vLLM structured outputs), so a "
+        "small judge still answers with a parsable split",
+    )
 
 
 class TaskSource(_Strict):
