@@ -2,7 +2,8 @@
 
 ``simulate(costs, pipeline) -> Prediction`` runs the pipeline's rules, not a formula: rollout replicas
 start groups while fewer than ``groups_in_flight`` are in flight and the version budget allows
-(``(max_lag + 1) x tasks_per_step x learners`` groups per live version, as ``teamrl run`` plans it),
+(``(max_lag + 1) x tasks_per_step x learners`` groups per live version, shared by the replicas, as
+``teamrl run`` plans it),
 a group computes and then waits on the world (tool or reward latency, holding no compute), finished
 groups queue in a FIFO buffer, the learner drops groups more than ``max_lag`` versions old, takes
 ``tasks_per_step x learners`` of them, trains, publishes, and each rollout pauses to load the new
@@ -139,7 +140,7 @@ class _Sim:
         return max(c.host_cores / (c.threads or c.host_cores), c.demand * busy, 1.0)
 
     def start_groups(self, r: _Replica) -> None:
-        budget = (self.p.max_lag + 1) * self.batch
+        budget = -(-(self.p.max_lag + 1) * self.batch // self.p.rollouts)  # as teamrl run plans it
         while len(r.inflight) < self.p.groups_in_flight and r.started < budget and r.paused_until <= self.t:
             r.inflight.append(_Group(self.work(), self.c.latency_s, r.live))
             r.started += 1
@@ -161,9 +162,11 @@ class _Sim:
 
     def advance_learner(self, slow: float) -> None:
         if self.phase == "wait":
-            while self.buffer and self.buffer[0] < self.version - self.p.max_lag:
-                self.buffer.popleft()
-                self.dropped += 1
+            oldest = self.version - self.p.max_lag
+            if any(v < oldest for v in self.buffer):  # the buffer drops stale groups wherever they are
+                kept = [v for v in self.buffer if v >= oldest]
+                self.dropped += len(self.buffer) - len(kept)
+                self.buffer = deque(kept)
             if len(self.buffer) < self.batch:
                 self.waited += self.dt
                 return

@@ -183,6 +183,7 @@ def gpu_costs(args: argparse.Namespace) -> Costs:
         load_s=args.push_s / 2,
         latency_s=args.latency,
         saturation=args.saturation,
+        group_cv=args.group_cv,
     )
 
 
@@ -252,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         help="groups a rollout device computes at once at full speed",
     )
     g.add_argument(
-        "--in-flight", type=float, default=2.0, help="groups in flight per replica, in steps' worth"
+        "--in-flight",
+        type=float,
+        default=1.0,
+        help="groups in flight per replica, in steps' worth (teamrl run plans 1: rollout.groups_in_flight)",
+    )
+    g.add_argument(
+        "--group-cv", type=float, default=0.5, help="coefficient of variation of a group's compute"
     )
     g.add_argument("--max-lag", type=int, default=2)
     args = p.parse_args(argv)

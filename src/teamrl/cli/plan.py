@@ -199,8 +199,9 @@ def resolved_config(
     agents and probe over the shared [learner] settings, and [rollout] a ``models`` table.
 
     ``ranks``: the most learner ranks of a group. A step takes ``tasks_per_step`` groups per rank, and
-    data more than ``max_lag`` versions old is dropped, so a rollout starts at most ``(max_lag + 1)
-    x tasks_per_step x ranks`` groups per live version (``max_groups_per_version``)."""
+    data more than ``max_lag`` versions old is dropped, so the rollouts start at most ``(max_lag + 1)
+    x tasks_per_step x ranks`` groups per live version between them (``max_groups_per_version``, each
+    replica its share)."""
     batch = args.tasks_per_step * args.group_size
     several = len(team.bases) > 1
     first = next(iter(team.bases.values()))
@@ -241,7 +242,8 @@ def resolved_config(
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
             "reward_scale": reward_scale(args),
-            "max_groups_per_version": (args.max_lag + 1) * args.tasks_per_step * ranks,
+            # shared by the replicas: more would be dropped as stale (teamrl cluster predicts it)
+            "max_groups_per_version": -(-(args.max_lag + 1) * args.tasks_per_step * ranks // args.rollouts),
             "kv_cache_bytes": kv_cache_bytes(team, batch),
             **({} if several else {"max_model_len": team.contexts[first.model_id]}),
         },

@@ -177,6 +177,11 @@ def test_teamrl_run_sizes_the_budget_from_lag_step_and_ranks(tmp_path: Path) -> 
     two = plan(parse_args([*argv, "--learners", "2"], "teamrl run", None, "r"), build=False)
     assert one.config["rollout"]["max_groups_per_version"] == 3 * 4
     assert two.config["rollout"]["max_groups_per_version"] == 3 * 4 * 2
+    # several rollouts share the budget (more would only be dropped as stale): each its share, rounded up
+    three = plan(
+        parse_args([*argv, "--rollouts", "3", "--learners", "2"], "teamrl run", None, "r"), build=False
+    )
+    assert three.config["rollout"]["max_groups_per_version"] == 3 * 4 * 2 // 3
 
 
 def test_plots_and_show_read_each_groups_metrics(tmp_path: Path) -> None:
