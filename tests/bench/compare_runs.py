@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--reward-scale", item]
     for item in args.set:
         common += ["--set", item]
+    if args.max_lag is not None:
+        common += ["--max-lag", str(args.max_lag)]
     workflow = with_latency(args.workflow, args.reward_latency, args.tool_latency, root)
     names = ["_".join(v[1::2][:1]) for v in VARIANTS[args.what]]
     seeds = list(range(args.seed, args.seed + args.seeds))

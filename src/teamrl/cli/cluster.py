@@ -22,12 +22,11 @@ Costs are seconds measured on the real services (``teamrl cluster costs RUN``, f
 * ``latency_s``: seconds each group waits on the world after computing (``[reward] latency_s``, tools);
 * ``step_s`` the learner's compute per step, ``publish_s`` its export and send per version, ``load_s``
   a rollout's pause to load and probe a version;
-* ``host_cores``, ``threads`` and ``demand``: services on one shared host (this machine). The costs
-  are measured by a sync run, one process using all ``host_cores``; an asynchronous service has
-  ``threads`` of them (``--threads-per-service``), so alone it runs ``host_cores / threads`` times
-  slower, and with ``busy`` services working at once, ``demand x busy`` times slower when that is more
-  (``demand``: the cores' worth each busy service keeps busy, fitted on one run: vLLM's engine runs
-  processes of its own). ``host_cores = 0``: every service has its own device, nothing is shared.
+* ``host_cores`` and ``demand``: services on one shared host (this machine; the costs measured by a
+  sync run, one process at a time). With ``busy`` services working at once, each runs
+  ``demand x busy`` times slower (never faster than alone): ``demand`` is fitted on one run (vLLM's
+  engine, the buffer and the learner each keep more than their share of 2 cores busy).
+  ``host_cores = 0``: every service has its own device, nothing is shared.
 
 Design decisions:
 
@@ -58,7 +57,6 @@ class Costs:
     group_cv: float = 0.0
     saturation: float = 1.0
     host_cores: float = 0.0
-    threads: float = 0.0  # cores per asynchronous service; 0: host_cores
     demand: float = 1.0
 
 
@@ -137,7 +135,7 @@ class _Sim:
             return 1.0
         busy = sum(1 for r in self.replicas if r.paused_until > self.t or any(g.work > 0 for g in r.inflight))
         busy += self.phase != "wait"
-        return max(c.host_cores / (c.threads or c.host_cores), c.demand * busy, 1.0)
+        return max(c.demand * busy, 1.0)
 
     def start_groups(self, r: _Replica) -> None:
         budget = -(-(self.p.max_lag + 1) * self.batch // self.p.rollouts)  # as teamrl run plans it

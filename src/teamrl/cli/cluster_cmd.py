@@ -8,7 +8,7 @@
 
 ``costs`` reads a ``--mode sync`` run's ``timeline.jsonl`` (one lane: generating, training, export,
 publish per step), so each cost is measured with nothing else running. ``check`` takes those costs,
-fits the one shared-host parameter (``demand``: the cores each busy service wants) on the ``--fit``
+fits the one shared-host parameter (``demand``: how much services working at once slow each other) on the ``--fit``
 run, then predicts every RUN from its own flags (mode, rollouts, max lag, groups in flight, the
 workflow's latency) and prints predicted and measured step time, learner idle and version lag side
 by side with the error. ``predict`` needs no run: per-device costs from token counts and throughputs
@@ -121,11 +121,8 @@ def measured(run: Path) -> Prediction:
 
 
 def for_run(costs: Costs, run: Path, demand: float, host_cores: float) -> Costs:
-    """The costs as ``run`` sees them: its own latency and threads per service, the shared host's demand."""
-    threads = float(run_args(run).get("threads_per_service") or host_cores / 2)
-    return replace(
-        costs, latency_s=workflow_latency(run), demand=demand, host_cores=host_cores, threads=threads
-    )
+    """The costs as ``run`` sees them: its own latency, the shared host's demand."""
+    return replace(costs, latency_s=workflow_latency(run), demand=demand, host_cores=host_cores)
 
 
 def fit_demand(costs: Costs, run: Path, host_cores: float) -> float:
@@ -136,7 +133,7 @@ def fit_demand(costs: Costs, run: Path, host_cores: float) -> float:
     lo, hi = 0.5, 4.0
     for _ in range(10):
         mid = (lo + hi) / 2
-        if simulate(for_run(costs, run, mid, host_cores), pipe).step_s < target:
+        if simulate(for_run(costs, run, mid, host_cores), pipe, dt=costs.group_s / 40).step_s < target:
             lo = mid
         else:
             hi = mid
@@ -149,7 +146,7 @@ def _pct(x: float) -> str:
 
 def check(args: argparse.Namespace) -> int:
     """Predicted against measured, one line per run (module docstring)."""
-    costs = measured_costs(Path(args.costs))
+    costs = replace(measured_costs(Path(args.costs)), group_cv=args.group_cv)
     print(f"costs from {args.costs}: {json.dumps({k: round(v, 4) for k, v in vars(costs).items()})}")
     demand = args.demand if args.demand else fit_demand(costs, Path(args.fit), args.host_cores)
     fitted = f"fitted on {args.fit}" if not args.demand else "given"
@@ -160,7 +157,7 @@ def check(args: argparse.Namespace) -> int:
     for name in args.runs:
         run = Path(name)
         pipe, got = pipeline_of(run), measured(run)
-        pred = simulate(for_run(costs, run, demand, args.host_cores), pipe)
+        pred = simulate(for_run(costs, run, demand, args.host_cores), pipe, dt=costs.group_s / 40)
         err = pred.step_s / got.step_s - 1
         errors.append(abs(err))
         print(
@@ -228,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--fit", help="an async run to fit the shared host's demand on (or --demand)")
     k.add_argument("--demand", type=float, default=0.0, help="cores each busy service wants (skip the fit)")
     k.add_argument("--host-cores", type=float, default=2.0, help="the shared host's cores (0: own devices)")
+    k.add_argument(
+        "--group-cv", type=float, default=0.5, help="coefficient of variation of a group's compute (assumed)"
+    )
     k.add_argument("runs", nargs="+", help="run folders to predict (their flags and workflow are read)")
     g = sub.add_parser("predict", help="N rollout x M learner devices from per-device throughputs")
     g.add_argument("--rollouts", type=_span, default=_span("1-8"), help="e.g. 1-8 or 1,2,4")

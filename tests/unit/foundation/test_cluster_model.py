@@ -50,12 +50,12 @@ def test_stragglers_stretch_a_sync_batch_on_an_engine_that_needs_a_full_batch() 
 
 
 def test_a_shared_host_slows_services_that_work_at_once() -> None:
-    c = Costs(group_s=0.05, step_s=0.4, host_cores=2, threads=1, demand=1.0)
+    c = Costs(group_s=0.05, step_s=0.4, host_cores=2, demand=1.0)
     alone = simulate(
         Costs(group_s=0.05, step_s=0.4), Pipeline(tasks_per_step=B, groups_in_flight=B, steps=10)
     )
     shared = simulate(c, Pipeline(tasks_per_step=B, groups_in_flight=B, steps=10))
-    assert shared.step_s == pytest.approx(2 * alone.step_s, rel=0.05)  # half the cores each
+    assert shared.step_s > 1.15 * alone.step_s  # the two sides slow each other where they overlap
 
 
 def test_costs_are_read_from_a_sync_runs_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
