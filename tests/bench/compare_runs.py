@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tool-latency", type=float, default=0.0, metavar="S", help="latency_s of every [tools] table"
     )
     p.add_argument(
+        "--max-lag", type=int, default=None, help="passed to both runs (async: the staleness bound)"
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="passed to both runs"
     )
     p.add_argument("--quick", action="store_true", help="6 steps of 4x4: checks the script, not the science")

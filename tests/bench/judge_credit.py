@@ -53,7 +53,9 @@ async def measure(args: argparse.Namespace) -> dict[str, dict]:
             runner = WorkflowRunner(str(path), eng, "judge-bench")
             tasks = [runner.train[i % len(runner.train)] for i in range(args.episodes)]
             t0 = time.time()
-            trajs = await asyncio.gather(*[runner.episode(t, 1000 + i) for i, t in enumerate(tasks)])
+            trajs = await asyncio.gather(
+                *[runner.episode(t, 1000 + i, group_id=f"j{i}") for i, t in enumerate(tasks)]
+            )
             reasons = Counter(str(t.metadata.get("credit_reason", "?")) for t in trajs)
             shares: dict[str, list[float]] = {}
             for t in trajs:

@@ -2,8 +2,8 @@
 
 ``simulate(costs, pipeline) -> Prediction`` runs the pipeline's rules, not a formula: rollout replicas
 start groups while fewer than ``groups_in_flight`` are in flight and the version budget allows
-(``(max_lag + 1) x tasks_per_step x learners`` groups per live version, shared by the replicas, as
-``teamrl run`` plans it),
+(at most ``(max_lag + 1) x tasks_per_step x learners`` groups ahead, each new version letting one
+step's worth more start, shared by the replicas, as ``teamrl run`` plans it),
 a group computes and then waits on the world (tool or reward latency, holding no compute), finished
 groups queue in a FIFO buffer, the learner drops groups more than ``max_lag`` versions old, takes
 ``tasks_per_step x learners`` of them, trains, publishes, and each rollout pauses to load the new
@@ -97,7 +97,7 @@ class _Group:
 class _Replica:
     live: int = 0  # the version it generates with
     paused_until: float = 0.0  # loading a version
-    started: int = 0  # groups started at ``live`` (the version budget)
+    tokens: int = -1  # groups that may start now (the version budget; -1: not yet filled)
     inflight: list[_Group] = field(default_factory=list)
     idle_s: float = 0.0
 
@@ -137,11 +137,17 @@ class _Sim:
         busy += self.phase != "wait"
         return max(c.demand * busy, 1.0)
 
+    def budget(self) -> tuple[int, int]:
+        """Each replica's (capacity, refill per version), as ``teamrl run`` plans them."""
+        share = -(-self.batch // self.p.rollouts)
+        return -(-(self.p.max_lag + 1) * self.batch // self.p.rollouts), share
+
     def start_groups(self, r: _Replica) -> None:
-        budget = -(-(self.p.max_lag + 1) * self.batch // self.p.rollouts)  # as teamrl run plans it
-        while len(r.inflight) < self.p.groups_in_flight and r.started < budget and r.paused_until <= self.t:
+        if r.tokens < 0:
+            r.tokens = self.budget()[0]
+        while len(r.inflight) < self.p.groups_in_flight and r.tokens > 0 and r.paused_until <= self.t:
             r.inflight.append(_Group(self.work(), self.c.latency_s, r.live))
-            r.started += 1
+            r.tokens -= 1
 
     def advance_replica(self, r: _Replica, slow: float) -> None:
         computing = [g for g in r.inflight if g.work > 0]
@@ -184,9 +190,10 @@ class _Sim:
         self.step_ends.append(self.t)
         self.learner_idle.append(self.waited)
         self.waited = 0.0
-        for r in self.replicas:  # each loads the new version: a pause, then a fresh budget
+        cap, refill = self.budget()
+        for r in self.replicas:  # each loads the new version (a pause); its budget refills a step's worth
             r.paused_until = max(r.paused_until, self.t) + self.c.load_s
-            r.live, r.started = self.version, 0
+            r.live, r.tokens = self.version, min(cap, max(r.tokens, 0) + refill)
 
     def tick(self) -> None:
         slow = self.slowdown()

@@ -190,7 +190,7 @@ def predict(args: argparse.Namespace) -> int:
     print(f"per-device costs: {json.dumps({k: round(v, 4) for k, v in vars(c).items()})}")
     print(f"{'N':>2} {'M':>2}  groups/s async  sync  async/sync  learner idle  rollout idle  lag  dropped")
     for m in args.learners:
-        best = None
+        balanced = None
         for n in args.rollouts:
             flight = int(args.tasks_per_step * args.in_flight)
             pipe = Pipeline("async", n, m, args.tasks_per_step, flight, args.max_lag, 30)
@@ -202,12 +202,10 @@ def predict(args: argparse.Namespace) -> int:
             ga, gs = pipe.tasks_per_step * m / a.step_s, pipe.tasks_per_step * m / s.step_s
             print(f"{n:>2} {m:>2}  {ga:14.2f} {gs:5.2f}  {ga / gs:10.2f}  {_pct(a.learner_idle):>12}  "
                   f"{_pct(a.rollout_idle):>12}  {a.lag_mean:3.1f}  {a.dropped:>7}")  # fmt: skip
-            if best is None or ga > best[1] * 1.05:
-                best = (n, ga)
-        if best is not None:
-            print(
-                f"   M={m}: throughput stops growing (< 5 % a replica) at N={best[0]}: rollout:learner {best[0] / m:g}"
-            )
+            if balanced is None and a.learner_idle < 0.10:
+                balanced = n
+        said = f"N={balanced} (rollout:learner {balanced / m:g})" if balanced else f"not within N <= {n}"
+        print(f"   M={m}: the learner is busy >= 90 % from {said}")
     return 0
 
 

@@ -244,6 +244,7 @@ def resolved_config(
             "reward_scale": reward_scale(args),
             # shared by the replicas: more would be dropped as stale (teamrl cluster predicts it)
             "max_groups_per_version": -(-(args.max_lag + 1) * args.tasks_per_step * ranks // args.rollouts),
+            "groups_per_version": -(-args.tasks_per_step * ranks // args.rollouts),  # a step's worth
             "kv_cache_bytes": kv_cache_bytes(team, batch),
             **({} if several else {"max_model_len": team.contexts[first.model_id]}),
         },

@@ -20,3 +20,16 @@ def test_the_budget_refills_when_a_newer_version_is_live_and_the_gauge_says_when
 def test_zero_means_no_limit() -> None:
     budget = VersionBudget(0)
     assert all(budget.take(0) for _ in range(1000))
+
+
+def test_with_a_refill_production_follows_consumption() -> None:
+    """``refill`` a step's groups: the rollout stays at most ``per_version`` groups ahead (AReaL's
+    bound), each new version lets one step's worth more start, and versions skipped count."""
+    budget = VersionBudget(6, refill=2)
+    assert [budget.take(0) for _ in range(7)] == [True] * 6 + [False]
+    assert [budget.take(1) for _ in range(3)] == [True, True, False]  # one version: 2 more
+    assert [budget.take(3) for _ in range(5)] == [True] * 4 + [False]  # two versions: 4 more
+    assert [budget.take(9) for _ in range(7)] == [True] * 6 + [False]  # never more than 6 ahead
+    several = VersionBudget(4, refill=1)  # one int per base: any base's advance counts
+    assert [several.take((0, 0)) for _ in range(5)] == [True] * 4 + [False]
+    assert [several.take((1, 2)) for _ in range(4)] == [True] * 3 + [False]

@@ -117,6 +117,13 @@ class RolloutConfig(BaseModel):
         "would only be dropped as stale or evicted unread; teamrl run sets (max lag + 1) x the groups "
         "of a step x the ranks of a group); 0 = no limit",
     )
+    groups_per_version: int = Field(
+        0,
+        ge=0,
+        description="each new live version lets this many more groups start, up to max_groups_per_version "
+        "unstarted (teamrl run sets one learner step's groups: production follows consumption); 0 = "
+        "each new version refills the whole max_groups_per_version",
+    )
     eval_interval: int = Field(0, ge=0, description="replica 0: evaluate held-out tasks every N versions")
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per evaluation")
     start_version: int = Field(
