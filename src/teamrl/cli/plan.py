@@ -242,9 +242,7 @@ def resolved_config(
             "eval_interval": args.eval_interval,
             "eval_tasks": args.eval_tasks,
             "reward_scale": reward_scale(args),
-            # shared by the replicas: more would be dropped as stale (teamrl cluster predicts it)
-            "max_groups_per_version": -(-(args.max_lag + 1) * args.tasks_per_step * ranks // args.rollouts),
-            "groups_per_version": -(-args.tasks_per_step * ranks // args.rollouts),  # a step's worth
+            **version_budget(args, ranks),
             "kv_cache_bytes": kv_cache_bytes(team, batch),
             **({} if several else {"max_model_len": team.contexts[first.model_id]}),
         },
@@ -253,6 +251,17 @@ def resolved_config(
         cfg["groups"] = {m: _base_learner_table(b, several) for m, b in team.bases.items()}
         cfg["rollout"]["models"] = served_models(team)
     return cfg
+
+
+def version_budget(args: argparse.Namespace, ranks: int) -> dict[str, int]:
+    """Each rollout replica's share of the version budget (AReaL's bound): at most ``max_lag + 1``
+    steps' groups ahead of the learner, each new version letting one step's worth more start. Shared
+    by the replicas: more would only be dropped as stale or evicted (``teamrl cluster`` shows it)."""
+    step = args.tasks_per_step * ranks
+    return {
+        "max_groups_per_version": -(-(args.max_lag + 1) * step // args.rollouts),
+        "groups_per_version": -(-step // args.rollouts),
+    }
 
 
 def _buffer_table(args: argparse.Namespace, batch: int) -> dict[str, Any]:
