@@ -310,3 +310,30 @@ def test_a_streaming_learner_is_served_from_one_group_on(tmp_path: Path) -> None
     assert buffer()["min_size"] == 16 * 4
     assert buffer("--set", "learner.stream_micro_batches=true")["min_size"] == 4
     assert buffer("--set", "learner.stream_micro_batches=true", "--set", "buffer.min_size=8")["min_size"] == 8
+
+
+def test_a_workflow_that_waits_on_the_world_keeps_two_steps_of_groups_in_flight(tmp_path: Path) -> None:
+    """With a reward or tool latency, the plan keeps two steps' groups in flight per rollout (the
+    waiting ones would otherwise hold every slot); without, one step's."""
+    import json
+
+    import tomli_w
+
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+    from teamrl.rollout.workflows import BUILTIN
+
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj"))
+    data = json.loads(json.dumps(BUILTIN["addition-duo"]))
+    data["reward"]["latency_s"] = 0.5
+    slow = tmp_path / "slow.toml"
+    slow.write_text(tomli_w.dumps(data))
+
+    def in_flight(workflow: str) -> int:
+        argv = ["--workflow", workflow, "--model", str(model), "--tasks-per-step", "4"]
+        return plan(parse_args(argv, "teamrl run", None, str(tmp_path / "run")), build=False).config[
+            "rollout"
+        ]["groups_in_flight"]
+
+    assert in_flight("addition-duo") == 4
+    assert in_flight(str(slow)) == 8
