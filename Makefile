@@ -28,7 +28,9 @@ bench: setup
 # docs/results/ (runs kept in runs/results/): about 30-60 minutes on 2 cores ((b) took 10 runs of ~60 s);
 # then (e), the role-swap ablation (one training run and five evaluations: about 6 minutes), and (f),
 # the staleness table (10 sync runs: about 25 minutes), and (g), the team whose verifier learns
-# (5 runs of addition-duo-checked and their trio evaluations: about 30 minutes).
+# (5 runs of addition-duo-checked and their trio evaluations: about 30 minutes), and (h), async
+# against sync where the world waits (reward latency 0.5 s) and where episodes vary (addition-trio):
+# 14 runs, about 20 minutes.
 # Prints figures, asserts none.
 results: setup
 	$(PY) tests/bench/compare_runs.py mode --out runs/results/mode
@@ -38,6 +40,8 @@ results: setup
 	$(PY) tests/bench/role_swap.py --run-dir runs/results/role-swap --out docs/results/role_swap
 	$(PY) tests/bench/staleness.py --runs runs/results/staleness --out docs/results/staleness
 	$(PY) tests/bench/checked_team.py --out runs/results/checked-team --docs docs/results/checked_team
+	$(PY) tests/bench/compare_runs.py mode --reward-latency 0.5 --seeds 4 --out runs/results/mode-latency
+	$(PY) tests/bench/compare_runs.py mode --workflow addition-trio --seeds 3 --out runs/results/mode-trio
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results
