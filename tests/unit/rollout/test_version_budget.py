@@ -30,6 +30,9 @@ def test_with_a_refill_production_follows_consumption() -> None:
     assert [budget.take(1) for _ in range(3)] == [True, True, False]  # one version: 2 more
     assert [budget.take(3) for _ in range(5)] == [True] * 4 + [False]  # two versions: 4 more
     assert [budget.take(9) for _ in range(7)] == [True] * 6 + [False]  # never more than 6 ahead
-    several = VersionBudget(4, refill=1)  # one int per base: any base's advance counts
+    # one int per base: the base that advanced most counts (the groups train on the same episodes),
+    # and a base whose learner is down does not hold the others' data back
+    several = VersionBudget(4, refill=1)
     assert [several.take((0, 0)) for _ in range(5)] == [True] * 4 + [False]
-    assert [several.take((1, 2)) for _ in range(4)] == [True] * 3 + [False]
+    assert [several.take((1, 2)) for _ in range(3)] == [True] * 2 + [False]
+    assert [several.take((1, 3)) for _ in range(2)] == [True, False]

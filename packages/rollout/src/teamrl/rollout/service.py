@@ -60,8 +60,8 @@ log = logging.getLogger("teamrl.rollout")
 
 class VersionBudget:
     """AReaL's staleness control on the producer side: the rollout stays at most ``per_version``
-    groups ahead of the learner. It may start that many; each new live version (per base: the
-    versions it advanced) lets ``refill`` more start, up to ``per_version`` unstarted at a time. With
+    groups ahead of the learner. It may start that many; each version a learner advanced (with
+    several bases, the one that advanced most) lets ``refill`` more start, up to ``per_version`` unstarted at a time. With
     ``refill`` one learner step's groups, production follows consumption: a rollout faster than the
     learner waits (``budget_wait``) instead of making data the buffer drops as stale or evicts unread
     (measured: 45 % of the episodes of an async addition-duo run at max lag 2 when every version
@@ -90,9 +90,10 @@ class VersionBudget:
 
 
 def _advanced(old: Any, new: Any) -> int:
-    """Versions gone by from ``old`` to ``new`` (ints, or tuples of one int per base); at least 1."""
+    """Steps gone by from ``old`` to ``new`` (ints, or tuples of one int per base: the base that
+    advanced most, as every learner group trains on the same episodes); at least 1."""
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
-        return max(1, sum(max(0, int(n) - int(o)) for o, n in zip(old, new, strict=True)))
+        return max(1, *(int(n) - int(o) for o, n in zip(old, new, strict=True)))
     if isinstance(old, int) and isinstance(new, int):
         return max(1, new - old)
     return 1
