@@ -61,8 +61,8 @@ log = logging.getLogger("teamrl.rollout")
 class VersionBudget:
     """AReaL's staleness control on the producer side: the rollout stays at most ``per_version``
     groups ahead of the learner. It may start that many; each version a learner advanced (with
-    several bases, the one that advanced most) lets ``refill`` more start, up to ``per_version`` unstarted at a time. With
-    ``refill`` one learner step's groups, production follows consumption: a rollout faster than the
+    several bases, the one that advanced most) lets ``refill`` more start, up to ``per_version``
+    unstarted at a time. With ``refill`` one learner step's groups, production follows consumption: a rollout faster than the
     learner waits (``budget_wait``) instead of making data the buffer drops as stale or evicts unread
     (measured: 45 % of the episodes of an async addition-duo run at max lag 2 when every version
     refilled the whole budget; docs/running.md). Slow, restarting or finished learners leave the
