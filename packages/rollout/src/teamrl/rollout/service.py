@@ -62,13 +62,13 @@ class VersionBudget:
     """AReaL's staleness control on the producer side: the rollout stays at most ``per_version``
     groups ahead of the learner. It may start that many; each version a learner advanced (with
     several bases, the one that advanced most) lets ``refill`` more start, up to ``per_version``
-    unstarted at a time. With ``refill`` one learner step's groups, production follows consumption: a rollout faster than the
-    learner waits (``budget_wait``) instead of making data the buffer drops as stale or evicts unread
-    (measured: 45 % of the episodes of an async addition-duo run at max lag 2 when every version
-    refilled the whole budget; docs/running.md). Slow, restarting or finished learners leave the
-    rollout idle; any base's new version refills, so one learner group that is down does not stop the
-    others' data. ``refill = 0``: every new version refills the whole budget. ``per_version = 0``: no
-    limit."""
+    unstarted at a time. With ``refill`` one learner step's groups, production follows consumption:
+    a rollout faster than the learner waits (``budget_wait``) instead of making data the buffer
+    drops as stale or evicts unread (measured: 45 % of the episodes of an async addition-duo run at
+    max lag 2 when every version refilled the whole budget; docs/running.md). Slow, restarting or
+    finished learners leave the rollout idle; any base's new version refills, so one learner group
+    that is down does not stop the others' data. ``refill = 0``: every new version refills the whole
+    budget. ``per_version = 0``: no limit."""
 
     def __init__(self, per_version: int, refill: int = 0) -> None:
         self.per_version, self.refill = per_version, refill
