@@ -93,7 +93,7 @@ def _advanced(old: Any, new: Any) -> int:
     """Steps gone by from ``old`` to ``new`` (ints, or tuples of one int per base: the base that
     advanced most, as every learner group trains on the same episodes); at least 1."""
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
-        return max(1, *(int(n) - int(o) for o, n in zip(old, new, strict=True)))
+        return max([1, *(int(n) - int(o) for o, n in zip(old, new, strict=True))])
     if isinstance(old, int) and isinstance(new, int):
         return max(1, new - old)
     return 1
