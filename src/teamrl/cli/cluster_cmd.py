@@ -44,12 +44,13 @@ def run_args(run: Path) -> dict[str, Any]:
 
 
 def workflow_latency(run: Path) -> float:
-    """Seconds each group waits on the world: the workflow's ``[reward] latency_s``."""
+    """Seconds each group waits on the world: the run's workflow's, as the plan reads it
+    (:func:`teamrl.cli.plan.world_latency`: ``[reward] latency_s``, the slowest tool's)."""
+    from teamrl.cli.plan import world_latency
     from teamrl.rollout.workflows import load
 
     cfg = tomllib.loads((run / "config.toml").read_text())
-    wf = load(cfg["rollout"]["workflow"])
-    return float(wf.reward.latency_s) if wf.reward is not None else 0.0
+    return world_latency(load(cfg["rollout"]["workflow"]))
 
 
 def pipeline_of(run: Path) -> Pipeline:
@@ -106,10 +107,10 @@ def measured(run: Path) -> Prediction:
     if len(times) < 3:
         raise SystemExit(f"{run}: fewer than 3 steps in metrics.jsonl")
     span = times[-1] - times[0]
-    lane = "sync" if run_args(run)["mode"] == "sync" else "learner"
-    waited = sum(float(r.get("sample_wait_seconds", 0.0)) for r in m[1:])
-    if lane == "sync":
+    if run_args(run)["mode"] == "sync":  # the learner's side waits while the batch is generated
         waited = _state_means(run, "sync").get("generating", 0.0) * (len(m) - 1)
+    else:
+        waited = sum(float(r.get("sample_wait_seconds", 0.0)) for r in m[1:])
     lag = [float(r["version_lag_mean"]) for r in m[1:] if "version_lag_mean" in r]
     return Prediction(
         step_s=span / (len(times) - 1),
