@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -224,14 +225,21 @@ def test_rollout_service_publishes_groups_refuses_bad_adapters_and_drains(tmp_pa
             "frames sampled at v1",
         )
         assert metric(mport, "teamrl_rollout_policy_version", '{agent="solver-lora"}') == 1
-        # the shared-folder route: the files' digest checked in place, loaded from there (no copy)
+        # the shared-folder route: the files copied into the rollout's adapter_dir, the copy checked
+        # and loaded; the learner may prune its folder (it keeps 8 versions) and generation goes on
         shared = UriWeights(uri=str(folders["solver-lora"].parent))
         publisher.publish(announcement(2, shared, adapters_sha256(folders), expected))
         wait(
             lambda: any(s.policy_version == 2 for t in frames[-1] for s in t.steps),
             120,
-            "frames sampled at v2 (loaded from the shared folder)",
+            "frames sampled at v2 (loaded from a copy of the shared folder)",
         )
+        copies = sorted(p.name for p in (tmp_path / "recv").iterdir())
+        assert any(n.startswith("v2-") for n in copies), copies
+        shutil.rmtree(folders["solver-lora"].parent)
+        n_pruned = len(frames)
+        wait(lambda: len(frames) > n_pruned + 2, 60, "generation after the shared folder was pruned")
+        assert all(s.policy_version == 2 for t in frames[-1] for s in t.steps)
 
         # LangMARL profile announcements on the same socket: each bad one refused by reason, counted
         from teamrl.protocol.control import ProfilesPublished

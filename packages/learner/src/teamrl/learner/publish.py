@@ -96,7 +96,7 @@ class AdapterPublisher:
             payload, n = write_adapter_payload(dirs), cfg.chunk_bytes
             location: Any = InlineWeights(chunks=[payload[i : i + n] for i in range(0, len(payload), n)])
             sha = payload_sha256(payload)
-        else:  # no archive: rollouts check and load the files in place
+        else:  # no archive: rollouts copy the files, check the copy and load it
             location = UriWeights(uri=str(folder.resolve()))
             sha = adapters_sha256(dirs)
         return WeightsPublished(

@@ -3,8 +3,9 @@
 A published version is a folder of PEFT adapter folders, one per adapter name
 (``<name>/adapter_config.json``, ``<name>/adapter_model.safetensors``). ``WeightsPublished.sha256``
 is the digest of the bytes as they travel. On shared storage (``UriWeights``, the normal case) that
-is :func:`adapters_sha256` of the files, read straight from disk: the rollout checks it over the
-files at the shared path and loads them from there, with no archive and no copy. Inline over
+is :func:`adapters_sha256` of the files, read straight from disk: the rollout copies the files
+(:func:`copy_adapter_dirs`), checks the digest over its copy and loads the copy, with no archive
+(the learner prunes its folder while a lagging rollout may still need a version). Inline over
 ZeroMQ (``InlineWeights``, small adapters) the folders travel as an *uncompressed, deterministic*
 tar (sorted members, zeroed mtimes/uids) and the digest is :func:`payload_sha256` of the tar,
 checked before it is unpacked. Uncompressed on purpose: compression bombs are a known attack on
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import tarfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -101,6 +103,21 @@ def adapter_dirs(folder: Path | str, max_bytes: int = MAX_PAYLOAD_BYTES) -> dict
             f"adapters in {folder} hold {total} bytes, more than the limit of {max_bytes}"
         )
     return dirs
+
+
+def copy_adapter_dirs(dirs: Mapping[str, Path | str], dest: Path | str) -> dict[str, Path]:
+    """Copy checked adapter folders (``adapter_dirs``) into ``dest``, the PEFT files only:
+    ``{name: copy}``. A reader that checks and loads the copy is safe from the source changing
+    or being removed meanwhile."""
+    dest = Path(dest)
+    out = {}
+    for name, d in dirs.items():
+        _check_name(name)
+        (dest / name).mkdir(parents=True)
+        for fname in ADAPTER_FILES:
+            shutil.copyfile(Path(d) / fname, dest / name / fname)
+        out[name] = dest / name
+    return out
 
 
 def adapters_sha256(dirs: Mapping[str, Path | str]) -> str:

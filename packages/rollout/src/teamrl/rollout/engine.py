@@ -256,6 +256,10 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ adapters
 
+    def paths_in_use(self) -> set[str]:
+        """The folders of every loaded version (current, and older ones still kept or in use)."""
+        return {e.path for e in (*self._current.values(), *self._old)}
+
     def adapter_versions(self) -> dict[str, int]:
         return {name: e.version for name, e in self._current.items()}
 

@@ -2,7 +2,7 @@
 
 ``WeightsApplier`` (owned by ``teamrl.rollout.service.RolloutService``) subscribes to the learner's
 weights PUB, heals gaps through its "latest" endpoint, and applies each announcement: fetch the
-payload (inline chunks or the shared folder), check its sha256, unpack safely, load it into vLLM as
+payload (inline chunks, or a copy of the shared folder), check its sha256, unpack safely, load it into vLLM as
 ``<adapter>@v<version>`` and reproduce every probe; only then do new requests use it. A refusal
 (checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank, bad_targets,
 wrong_base) is
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,6 +32,7 @@ from teamrl.rollout import metrics as M
 
 log = logging.getLogger("teamrl.rollout")
 
+_VERSION_FOLDER = re.compile(r"v\d+-[0-9a-f]{6}")  # what _checked_folders names
 LATEST_POLL_S = 5.0  # ask the learner's latest endpoint after this long without an announcement
 
 
@@ -41,7 +44,7 @@ class WeightsApplier:
     ) -> None:
         self.engine = engine  # RolloutEngine: loads and probes adapter versions
         self.runner = runner  # WorkflowRunner: takes profile versions
-        self.adapter_root = adapter_root  # inline payloads are unpacked under here
+        self.adapter_root = adapter_root  # adapters are unpacked or copied under here, then loaded
         self.model_id = model_id  # the base model whose engine this follows (metric label, logs)
         self.profiles = profiles  # adopt LangMARL profile versions from this link
         self.announced_version = 0  # newest version announced, applied or not
@@ -154,6 +157,7 @@ class WeightsApplier:
                 e,
             )
             self.gauge_versions()
+            self.prune_folders()
             return False
         M.ADAPTER_LOADS.inc()
         log.info(
@@ -166,6 +170,7 @@ class WeightsApplier:
             len(folders),
         )
         self.gauge_versions()
+        self.prune_folders()
         return True
 
     def _check_base(self, msg: Any) -> None:
@@ -199,6 +204,7 @@ class WeightsApplier:
             AdapterPayloadError,
             adapter_dirs,
             adapters_sha256,
+            copy_adapter_dirs,
             payload_sha256,
             unpack_adapter_payload,
         )
@@ -215,17 +221,33 @@ class WeightsApplier:
                 return unpack_adapter_payload(payload, dest)
             except AdapterPayloadError as e:
                 raise AdapterRefused("corrupt", f"v{msg.version}: {e}") from e
-        # the files' digest, checked in the shared folder, which vLLM then loads from: no copy
+        # A shared folder is the learner's, and it prunes old versions while a lagging rollout may
+        # still load one (vLLM reloads an adapter its LoRA cache evicted, from the path it was given):
+        # the files are copied here first, and the copy is what is checked and loaded.
+        dest = self.adapter_root / f"v{msg.version}-{uuid.uuid4().hex[:6]}"
         try:
-            folders = adapter_dirs(msg.location.uri)
+            folders = copy_adapter_dirs(adapter_dirs(msg.location.uri), dest)
             digest = adapters_sha256(folders)
         except (AdapterPayloadError, OSError) as e:  # absent, unsafe, or pruned meanwhile
+            shutil.rmtree(dest, ignore_errors=True)
             raise AdapterRefused("missing", f"v{msg.version}: {e}") from e
         if digest != msg.sha256:
+            shutil.rmtree(dest, ignore_errors=True)
             raise AdapterRefused(
                 "checksum", f"v{msg.version}: the adapter files' sha256 differs from the announcement"
             )
         return folders
+
+    def prune_folders(self) -> int:
+        """Remove the version folders under ``adapter_root`` that no loaded version uses (unpacked or
+        copied here by ``_checked_folders``); returns how many. Other files there are left alone."""
+        in_use = {Path(p).parent for p in self.engine.paths_in_use()}
+        gone = 0
+        for p in self.adapter_root.glob("v*-*"):
+            if p.is_dir() and _VERSION_FOLDER.fullmatch(p.name) and p not in in_use:
+                shutil.rmtree(p, ignore_errors=True)
+                gone += 1
+        return gone
 
     def gauge_versions(self) -> None:
         for name, v in self.engine.adapter_versions().items():
