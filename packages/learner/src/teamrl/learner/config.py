@@ -238,6 +238,14 @@ class LearnerConfig(_Strict):
         "store; needed with profile_interval > 0 (`teamrl run` fills them from the workflow)",
     )
     profile_max_new_tokens: int = Field(512, ge=1, description="judge answer length, in tokens")
+    profile_temperature: float = Field(
+        0.7, gt=0, description="the profile judge's sampling temperature (a 135M judge writes noise at 1)"
+    )
+    profile_prefill: bool = Field(
+        True,
+        description="begin the judge's answer with <profile> so it writes only the revised profile "
+        "(a small model seldom writes the tagged format itself; docs/real-model.md)",
+    )
     profile_max_staleness: int = Field(
         2, ge=0, description="profile rounds read episodes of the last k+1 profile versions"
     )

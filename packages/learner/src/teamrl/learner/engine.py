@@ -175,9 +175,10 @@ class LearnerEngine:
         max_new_tokens: int,
         eos_id: int,
         generator: torch.Generator,
+        temperature: float | None = None,
     ) -> list[tuple[list[int], list[float]]]:
         """Completions and their log-probs (:meth:`teamrl.learner.logprobs.LogprobPasses.sample`)."""
-        return self.passes.sample(adapter, prompts, max_new_tokens, eos_id, generator)
+        return self.passes.sample(adapter, prompts, max_new_tokens, eos_id, generator, temperature)
 
     def completion_logprobs(
         self, adapter: str | None, prompt: Sequence[int], completion: Sequence[int]

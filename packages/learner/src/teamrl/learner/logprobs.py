@@ -214,8 +214,10 @@ class LogprobPasses:
         max_new_tokens: int,
         eos_id: int,
         generator: torch.Generator,
+        temperature: float | None = None,
     ) -> list[tuple[list[int], list[float]]]:
-        """Sample completions (at the adapter's temperature; the engine-wide one for the base) and their
+        """Sample completions (at ``temperature``; unset, the adapter's, or the engine-wide one for the
+        base) and their
         log-probs: the self-tests' samples and LangMARL's judge (``profile_round.judge_from_engine``).
 
         Prompts of one call must share a length (the addition task's do). Each completion stops after
@@ -231,6 +233,7 @@ class LogprobPasses:
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         done = [False] * len(prompts)
         temp = self.adapters[adapter].temperature if adapter is not None else self.temperature
+        temp = temperature if temperature is not None else temp
         past = None
         with ctx:
             for _ in range(max_new_tokens):

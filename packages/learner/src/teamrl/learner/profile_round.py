@@ -38,20 +38,43 @@ from teamrl.protocol.control import ProfilesPublished
 log = logging.getLogger("teamrl.learner.profiles")
 
 
-def judge_from_engine(engine: Any, model_folder: str | Path, max_new_tokens: int, seed: int = 0) -> Callable:
-    """A ``str -> str`` judge: the learner's base model (adapters disabled), sampled at temperature 1."""
+def judge_from_engine(
+    engine: Any,
+    model_folder: str | Path,
+    max_new_tokens: int,
+    seed: int = 0,
+    *,
+    temperature: float | None = None,
+    prefill: bool = False,
+) -> Callable:
+    """A ``str -> str`` judge: the learner's base model (adapters disabled), sampled at ``temperature``
+    (None: the engine's, 1).
+
+    ``prefill``: the answer is begun with ``<profile>`` (the format's block, in the chat's assistant
+    turn), so the model writes only the revised profile; an answer that ends at the model's end of
+    text without ``</profile>`` is closed there. A small judge seldom writes the whole tagged format
+    by itself: SmolLM2-135M wrote no complete block in any of its first 4 proposals at temperature 1
+    (docs/real-model.md). The summary, optional in the format, is then absent."""
     import torch
 
+    from teamrl.rewards.profile_answer import PREFILL
     from teamrl.rewards.tokenizer import tokenizer_for
 
     tok = tokenizer_for(model_folder)
     gen = torch.Generator().manual_seed(seed)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else -1
 
     def judge(prompt: str) -> str:
-        ids = tok.chat([{"role": "user", "content": prompt}]) or tok.encode(prompt)
-        eos = tok.eos_token_id if tok.eos_token_id is not None else -1
-        ((out, _logps),) = engine.sample(None, [ids], max_new_tokens, eos, gen)
-        return tok.decode(out)
+        chat = tok.chat([{"role": "user", "content": prompt}])
+        ids = chat or tok.encode(prompt)
+        head = PREFILL if prefill and chat else ""
+        if head:
+            ids = [*ids, *tok.encode(head, add_special=False)]
+        ((out, _logps),) = engine.sample(None, [ids], max_new_tokens, eos, gen, temperature)
+        answer = head + tok.decode(out)
+        if head and out and out[-1] == eos and "</profile>" not in answer.lower():
+            answer += "\n</profile>"
+        return answer
 
     return judge
 

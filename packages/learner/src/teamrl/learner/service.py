@@ -171,9 +171,11 @@ class LearnerService:
         if cfg.profile_interval and self.rank == 0:
             from teamrl.learner.profile_round import ProfileRound, judge_from_engine
 
+            judging = {"temperature": cfg.profile_temperature, "prefill": cfg.profile_prefill}
+
             self.profiles = ProfileRound(
                 self.run_dir / "profiles",
-                judge_from_engine(self.engine, self.model, cfg.profile_max_new_tokens, cfg.seed),
+                judge_from_engine(self.engine, self.model, cfg.profile_max_new_tokens, cfg.seed, **judging),
                 cfg.profile_interval,
                 initial=cfg.profiles,
                 max_staleness=cfg.profile_max_staleness,

@@ -36,6 +36,7 @@ from typing import Any
 from teamrl.protocol.control import MAX_PROFILE_CHARS
 from teamrl.rewards.profiles import ProposalRejected
 
+PREFILL = "<profile>\n"  # how a judge's answer may be begun for it (profile_round.judge_from_engine)
 PLACEHOLDER = "the complete revised profile"  # what the format asks for inside <profile>
 _TAG = re.compile(r"<(/?)(profile|summary)\s*>", re.IGNORECASE)
 _ALLOWED_CONTROLS = frozenset("\n\t\r")
