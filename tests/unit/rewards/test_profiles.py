@@ -337,6 +337,8 @@ HUGE = "x" * 10_000_000
             "<summary>\nyour summary\n</summary>\n<profile>\nthe complete revised profile\n</profile>",
             "template_echo",
         ),
+        ("<profile>\nThe Complete Revised Profile.\n</profile>", "template_echo"),
+        ("<profile>Add.</profile>", "too_short"),  # under 30 % of the profile it would replace
         ("", "unparsable"),
         ("<profile>never closed", "unparsable"),
     ],

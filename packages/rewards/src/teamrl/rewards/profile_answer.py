@@ -22,7 +22,9 @@ answer is not text (``not_text``) or longer than ``max_answer_chars`` (``answer_
 no complete profile block (``unparsable``); the profile is empty (``empty``), longer than
 ``max_profile_chars`` (``too_long``), contains control characters, lone surrogates or U+FFFD
 (``binary``), or is a JSON document rather than prose (``not_prose``), or is the format's
-placeholder copied (``template_echo``). Parsing is linear in the answer's length and never decodes
+placeholder copied, in any case (``template_echo``); ``ProfileLearner`` also refuses a profile under
+``min_length_ratio`` of the one it replaces (``too_short``: SmolLM2-135M paraphrased the placeholder,
+"The complete updated version of the profile"). Parsing is linear in the answer's length and never decodes
 JSON, so deep nesting cannot exhaust the stack. A profile equal to the old one
 (whitespace aside) is ``unchanged``: not a rejection, and no new version.
 """
@@ -87,7 +89,7 @@ def parse_profile_answer(
         raise ProposalRejected("too_long", f"profile has {len(profile)} characters, cap {max_profile_chars}")
     if _is_binary(profile):
         raise ProposalRejected("binary", "profile contains control characters, surrogates or U+FFFD")
-    if profile == PLACEHOLDER:
+    if " ".join(profile.lower().rstrip(".").split()) == PLACEHOLDER:
         raise ProposalRejected(
             "template_echo", "the judge copied the format's placeholder instead of a profile"
         )
