@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,15 @@ def versions(run_dir: Path) -> dict[int, dict[str, str]]:
     for p in sorted((run_dir / "profiles").glob("v*.json")):
         doc = json.loads(p.read_text())
         out[int(doc["version"])] = dict(doc["profiles"])
+    return out
+
+
+def proposals(run_dir: Path) -> dict[str, int]:
+    """``"status (reason)" -> count`` of every profile proposal, from the learner's log."""
+    out: dict[str, int] = {}
+    for log in sorted((run_dir / "logs").glob("learner*.log")):
+        for m in re.finditer(r"profile v\d+ \S+: (\w+ \([\w_]+\))", log.read_text(errors="replace")):
+            out[m.group(1)] = out.get(m.group(1), 0) + 1
     return out
 
 
@@ -99,9 +109,10 @@ def main() -> None:
     run_dir, out, t0 = Path(args.run_dir), Path(args.out), time.monotonic()
     if len(versions(run_dir)) < 2:
         evolve(args, run_dir)
-    found = versions(run_dir)
+    found, tally = versions(run_dir), proposals(run_dir)
+    print(f"proposals: {json.dumps(tally)}", flush=True)
     if len(found) < 2:
-        raise SystemExit(f"profile_evolution: {run_dir}/profiles holds no evolved version")
+        raise SystemExit(f"profile_evolution: {run_dir}/profiles holds no evolved version ({tally})")
     workflow = tomllib.loads(Path(args.workflow).read_text())
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -123,6 +134,7 @@ def main() -> None:
         for k, r in rows.items()
     )
     summary = {"workflow": args.workflow, "run_dir": str(run_dir), "seeds": seeds, "rows": rows}
+    summary["proposals"] = tally
     summary |= {"num_tasks": args.num_tasks, "n": args.n, "seconds": round(time.monotonic() - t0)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(header + body)
