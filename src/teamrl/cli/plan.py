@@ -406,6 +406,7 @@ def _apply_user_config(
     except ConfigError as e:
         raise PlanError(f"--set: {e}") from None
     _streaming_min_size(cfg, out)
+    _profiles_alone_budget(cfg, out)
     unknown = sorted(set(out) - set(SECTIONS))
     if unknown:
         raise PlanError(
@@ -422,6 +423,16 @@ def _streaming_min_size(planned: dict[str, dict[str, Any]], out: dict[str, dict[
         "min_size"
     ):
         buf["min_size"] = buf.get("group_size", buf.get("min_size"))
+
+
+def _profiles_alone_budget(planned: dict[str, dict[str, Any]], out: dict[str, dict[str, Any]]) -> None:
+    """A run that trains profiles alone (``learner.train_weights = false``) publishes no adapter
+    version to refill the rollout's version budget (it stalled after ``max_lag + 1`` steps) and has no
+    data that goes stale by version: the budget is off unless the user set it."""
+    roll, learner = out.get("rollout", {}), out.get("learner", {})
+    key = "max_groups_per_version"
+    if learner.get("train_weights") is False and roll.get(key) == planned.get("rollout", {}).get(key):
+        roll[key] = 0
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:

@@ -312,6 +312,26 @@ def test_a_streaming_learner_is_served_from_one_group_on(tmp_path: Path) -> None
     assert buffer("--set", "learner.stream_micro_batches=true", "--set", "buffer.min_size=8")["min_size"] == 8
 
 
+def test_a_run_that_trains_profiles_alone_has_no_version_budget(tmp_path: Path) -> None:
+    """``learner.train_weights = false`` publishes no adapter version to refill the rollout's budget
+    (such a run stalled after max lag + 1 steps): the budget is off, unless the user set it."""
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj"))
+
+    def budget(*extra: str) -> int:
+        argv = ["--workflow", "addition-duo", "--model", str(model), "--max-lag", "1", *extra]
+        cfg = plan(parse_args(argv, "teamrl run", None, str(tmp_path / "run")), build=False).config
+        return cfg["rollout"]["max_groups_per_version"]
+
+    weights_off = ("--set", "learner.train_weights=false", "--set", "learner.profile_interval=1")
+    weights_off += ("--set", 'learner.profiles={solver="You add.", verifier="You check."}')
+    assert budget() == 2 * 16
+    assert budget(*weights_off) == 0
+    assert budget(*weights_off, "--set", "rollout.max_groups_per_version=8") == 8
+
+
 def test_a_workflow_that_waits_on_the_world_keeps_two_steps_of_groups_in_flight(tmp_path: Path) -> None:
     """With a reward or tool latency, the plan keeps two steps' groups in flight per rollout (the
     waiting ones would otherwise hold every slot); without, one step's."""
