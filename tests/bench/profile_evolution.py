@@ -74,6 +74,7 @@ def with_profiles(workflow: dict[str, Any], profiles: dict[str, str], path: Path
 def evaluate(args: argparse.Namespace, toml: Path, seed: int) -> dict[str, Any]:
     cmd = [*CLI, "eval", "--workflow", str(toml), "--model", args.model]
     cmd += ["--num-tasks", str(args.num_tasks), "--n", str(args.n), "--k", "1", "--seed", str(seed)]
+    cmd += ["--temperature", str(args.temperature)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"profile_evolution: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -103,6 +104,7 @@ def main() -> None:
     p.add_argument("--seeds", default="1,2,3", help="sampling seeds of each evaluation")
     p.add_argument("--num-tasks", type=int, default=60)
     p.add_argument("--n", type=int, default=2, help="samples per task")
+    p.add_argument("--temperature", type=float, default=0.7, help="evaluation sampling temperature")
     p.add_argument("--all-versions", action="store_true", help="every version, not the first and last")
     p.add_argument("--out", default="docs/results/profiles")
     args = p.parse_args()
@@ -135,7 +137,12 @@ def main() -> None:
     )
     summary = {"workflow": args.workflow, "run_dir": str(run_dir), "seeds": seeds, "rows": rows}
     summary["proposals"] = tally
-    summary |= {"num_tasks": args.num_tasks, "n": args.n, "seconds": round(time.monotonic() - t0)}
+    summary |= {
+        "num_tasks": args.num_tasks,
+        "n": args.n,
+        "temperature": args.temperature,
+        "seconds": round(time.monotonic() - t0),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(header + body)
     print(header + body, end="")

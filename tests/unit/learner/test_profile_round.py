@@ -117,3 +117,41 @@ def test_profiles_alone_needs_a_profile_interval() -> None:
         LearnerConfig(train_weights=False, profile_interval=3, **need)
     cfg = LearnerConfig(train_weights=False, profile_interval=3, profiles=load("math-duo").profiles(), **need)
     assert cfg.profile_interval == 3 and not cfg.train_weights
+
+
+def test_the_judge_answer_is_begun_with_the_profile_block_and_closed_at_end_of_text(monkeypatch) -> None:
+    """``judge_from_engine(prefill=True)``: the chat's assistant turn starts with ``<profile>``, the
+    sampled text follows, and an answer that ended at end of text is closed with ``</profile>``; one cut
+    at the token budget is left open (unparsable). Engine and tokenizer are stand-ins: the test is
+    about the prefill, not a model (the real one: docs/real-model.md, tests/bench/profile_evolution.py)."""
+    import teamrl.rewards.tokenizer as tokmod
+    from teamrl.learner.profile_round import judge_from_engine
+    from teamrl.rewards.profile_answer import parse_profile_answer
+
+    class Tok:
+        eos_token_id = 0
+
+        def chat(self, messages):
+            return [7, 7]
+
+        def encode(self, text, *, add_special=True):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids if i)
+
+    class Engine:
+        def __init__(self, reply):
+            self.reply, self.seen = reply, None
+
+        def sample(self, adapter, prompts, max_new_tokens, eos_id, gen, temperature=None):
+            self.seen = (prompts[0], temperature)
+            return [(self.reply, [0.0] * len(self.reply))]
+
+    monkeypatch.setattr(tokmod, "tokenizer_for", lambda folder: Tok())
+    done = Engine([ord(c) for c in "You add carefully."] + [0])
+    answer = judge_from_engine(done, "m", 32, temperature=0.7, prefill=True)("revise")
+    assert done.seen == ([7, 7, *[ord(c) for c in "<profile>\n"]], 0.7)
+    assert parse_profile_answer(answer)[0] == "You add carefully."
+    cut = Engine([ord(c) for c in "You add and add and"])  # no end of text: the budget ran out
+    assert "</profile>" not in judge_from_engine(cut, "m", 32, prefill=True)("revise")

@@ -347,7 +347,7 @@ HUGE = "x" * 10_000_000
 def test_hostile_judge_output_is_rejected_fast_and_counted(answer, reason, tmp_path) -> None:
     before = rejected(reason)
     store = ProfileStore(tmp_path)
-    learner = ProfileLearner(Scripted({"planner": answer, "solver": answer}))
+    learner = ProfileLearner(Scripted({"planner": answer, "solver": answer}), min_length_ratio=0.3)
     t0 = time.monotonic()
     assert run(improve_profiles(BATCH, store, None, learner=learner, initial=INITIAL)) is None
     assert time.monotonic() - t0 < 5.0

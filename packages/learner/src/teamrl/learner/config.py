@@ -241,6 +241,13 @@ class LearnerConfig(_Strict):
     profile_temperature: float = Field(
         0.7, gt=0, description="the profile judge's sampling temperature (a 135M judge writes noise at 1)"
     )
+    profile_min_length_ratio: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="refuse a proposed profile shorter than this fraction of the one it replaces "
+        "(too_short: a small judge paraphrases the format's placeholder; 0 = off)",
+    )
     profile_prefill: bool = Field(
         True,
         description="begin the judge's answer with <profile> so it writes only the revised profile "

@@ -18,7 +18,7 @@ are, and training goes on. A real instruction-tuned model folder is what this is
 
 Call sequence (what ``LearnerService`` does)::
 
-    rounds = ProfileRound(run_dir / "profiles", judge, interval=cfg.profile_interval, initial=cfg.profiles)
+    rounds = ProfileRound.from_config(cfg, engine, model_folder, run_dir / "profiles")
     msg = rounds.maybe_run(step, trajectories)        # after the weight step
     if msg is not None:
         publisher.publish_profiles(msg)
@@ -96,6 +96,7 @@ class ProfileRound:
         initial: Mapping[str, str] | None = None,
         max_staleness: int | None = 2,
         fsync: bool = True,
+        min_length_ratio: float = 0.0,
     ) -> None:
         from teamrl.rewards.profile_store import ProfileStore
 
@@ -107,9 +108,31 @@ class ProfileRound:
         self.workflow = workflow
         self.initial = dict(initial or {})  # the workflow's own profiles: version 0 of the store
         self.max_staleness = max_staleness
+        self.min_length_ratio = min_length_ratio  # ProfileLearner's: shorter proposals are too_short
         self.rounds = 0
         self.published = 0
         self.failures = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, engine: Any, model_folder: str | Path, store_dir: Path) -> ProfileRound:
+        """The rounds a ``LearnerConfig`` asks for (its ``profile_*`` fields), judged by ``engine``'s
+        base model (:func:`judge_from_engine`)."""
+        judge = judge_from_engine(
+            engine,
+            model_folder,
+            cfg.profile_max_new_tokens,
+            cfg.seed,
+            temperature=cfg.profile_temperature,
+            prefill=cfg.profile_prefill,
+        )
+        return cls(
+            store_dir,
+            judge,
+            cfg.profile_interval,
+            initial=cfg.profiles,
+            max_staleness=cfg.profile_max_staleness,
+            min_length_ratio=cfg.profile_min_length_ratio,
+        )
 
     def latest(self) -> ProfilesPublished | None:
         """The newest stored version's announcement (re-announced after a learner restart)."""
@@ -123,7 +146,7 @@ class ProfileRound:
         Python trajectories are built here, only on the steps a round runs."""
         if step % self.interval or not sample:
             return None
-        from teamrl.rewards.profile_learner import improve_profiles
+        from teamrl.rewards.profile_learner import ProfileLearner, improve_profiles
 
         trajectories = trajectory_objects(sample)
 
@@ -141,7 +164,8 @@ class ProfileRound:
                 improve_profiles(
                     trajectories,
                     self.store,
-                    self.judge,
+                    None,
+                    learner=ProfileLearner(self.judge, min_length_ratio=self.min_length_ratio),
                     initial=initial,
                     max_staleness=self.max_staleness,
                 )

@@ -169,17 +169,9 @@ class LearnerService:
         cfg = self.cfg
         self.profiles = None
         if cfg.profile_interval and self.rank == 0:
-            from teamrl.learner.profile_round import ProfileRound, judge_from_engine
+            from teamrl.learner.profile_round import ProfileRound
 
-            judging = {"temperature": cfg.profile_temperature, "prefill": cfg.profile_prefill}
-
-            self.profiles = ProfileRound(
-                self.run_dir / "profiles",
-                judge_from_engine(self.engine, self.model, cfg.profile_max_new_tokens, cfg.seed, **judging),
-                cfg.profile_interval,
-                initial=cfg.profiles,
-                max_staleness=cfg.profile_max_staleness,
-            )
+            self.profiles = ProfileRound.from_config(cfg, self.engine, self.model, self.run_dir / "profiles")
         self.tb = None
         if tensorboard is not None and self.rank == 0:
             from teamrl.learner.tensorboard import EventWriter

@@ -23,7 +23,8 @@ no complete profile block (``unparsable``); the profile is empty (``empty``), lo
 ``max_profile_chars`` (``too_long``), contains control characters, lone surrogates or U+FFFD
 (``binary``), or is a JSON document rather than prose (``not_prose``), or is the format's
 placeholder copied, in any case (``template_echo``); ``ProfileLearner`` also refuses a profile under
-``min_length_ratio`` of the one it replaces (``too_short``: SmolLM2-135M paraphrased the placeholder,
+``min_length_ratio`` of the one it replaces (``too_short``, off unless set; the learner's
+``profile_min_length_ratio`` is 0.3: SmolLM2-135M paraphrased the placeholder,
 "The complete updated version of the profile"). Parsing is linear in the answer's length and never decodes
 JSON, so deep nesting cannot exhaust the stack. A profile equal to the old one
 (whitespace aside) is ``unchanged``: not a rejection, and no new version.

@@ -151,7 +151,7 @@ class ProfileLearner:
         skip_if_no_failures: bool = True,
         roles: Mapping[str, str] | None = None,
         template: str = PROFILE_TEMPLATE,
-        min_length_ratio: float = 0.3,
+        min_length_ratio: float = 0.0,
     ) -> None:
         if max_examples < 1:
             raise ValueError(f"max_examples must be >= 1, got {max_examples}")
@@ -176,7 +176,7 @@ class ProfileLearner:
         self.skip_if_no_failures = skip_if_no_failures
         self.roles = dict(roles or {})
         self.template = template
-        self.min_length_ratio = min_length_ratio  # the prompt asks for a profile "of similar length"
+        self.min_length_ratio = min_length_ratio  # the prompt asks for a profile "of similar length"; 0: off
         self.calls = 0
         self.rejected: Tally[str] = Tally()
 
@@ -266,7 +266,7 @@ class ProfileLearner:
                 self.calls += 1
                 answer = await self._ask(prompt)
             new, summary = parse_profile_answer(answer, self.max_answer_chars, self.max_profile_chars)
-            if len(new) < self.min_length_ratio * len(profile):
+            if len(new) < self.min_length_ratio * len(profile):  # the learner's config: 0.3
                 raise ProposalRejected(
                     "too_short",
                     f"profile of {len(new)} characters replaces one of {len(profile)} "
