@@ -3,10 +3,9 @@
 ``WeightsApplier`` (owned by ``teamrl.rollout.service.RolloutService``) subscribes to the learner's
 weights PUB, heals gaps through its "latest" endpoint, and applies each announcement: fetch the
 payload (inline chunks, or a copy of the shared folder), check its sha256, unpack safely, load it
-into vLLM as ``<adapter>@v<version>`` and reproduce every probe; only then do new requests use it. A refusal
-(checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank, bad_targets,
-wrong_base) is
-logged and counted, and generation goes on with the last good version. LangMARL profile versions
+into vLLM as ``<adapter>@v<version>`` and reproduce every probe; only then do new requests use it.
+A refusal (checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank,
+bad_targets, wrong_base) is logged and counted, and generation goes on with the last good version. LangMARL profile versions
 travel on the same sockets and are adopted here too. docs/architecture.md §8 ("WeightsPublished
 and the hot-load") describes the checks.
 
