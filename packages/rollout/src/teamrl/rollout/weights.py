@@ -5,9 +5,9 @@ weights PUB, heals gaps through its "latest" endpoint, and applies each announce
 payload (inline chunks, or a copy of the shared folder), check its sha256, unpack safely, load it
 into vLLM as ``<adapter>@v<version>`` and reproduce every probe; only then do new requests use it.
 A refusal (checksum, corrupt, missing, load_failed, probe_failed, stale_version, bad_rank,
-bad_targets, wrong_base) is logged and counted, and generation goes on with the last good version. LangMARL profile versions
-travel on the same sockets and are adopted here too. docs/architecture.md §8 ("WeightsPublished
-and the hot-load") describes the checks.
+bad_targets, wrong_base) is logged and counted, and generation goes on with the last good version.
+LangMARL profile versions travel on the same sockets and are adopted here too.
+docs/architecture.md §8 ("WeightsPublished and the hot-load") describes the checks.
 
 A service with several base models (docs/architecture.md §3, "Rollout services") runs one applier
 per base, each on its own engine and its own learner group's endpoint; only the first base's applier
