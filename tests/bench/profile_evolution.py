@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -28,8 +26,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_runs import mean_ci  # noqa: E402
+
 CLI = [sys.executable, "-m", "teamrl.cli.main"]
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def versions(run_dir: Path) -> dict[int, dict[str, str]]:
@@ -81,13 +81,6 @@ def evaluate(args: argparse.Namespace, toml: Path, seed: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, math.nan
-    return m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -125,7 +118,7 @@ def main() -> None:
         toml = with_profiles(workflow, profiles, out / f"workflow-v{v}.toml")
         runs = [evaluate(args, toml, s) for s in seeds]
         team = next(k for k in runs[0] if k.startswith("avg@"))
-        m, ci = mean_ci([r[team] for r in runs])
+        m, ci, _n = mean_ci([r[team] for r in runs])
         rows[f"v{v}"] = {"team": team, "mean": m, "ci95": ci, "runs": runs, "profiles": profiles}
         print(f"profiles v{v}: {team} {m:.3f} ± {ci:.3f} over seeds {seeds}", flush=True)
     header = "| profiles | team accuracy (mean ± 95 % CI) | per seed |\n|---|---|---|\n"

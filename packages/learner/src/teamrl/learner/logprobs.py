@@ -234,12 +234,10 @@ class LogprobPasses:
         done = [False] * len(prompts)
         temp = self.adapters[adapter].temperature if adapter is not None else self.temperature
         temp = temperature if temperature is not None else temp
-        past = None
+        past, last = None, _LAST_POSITION.to(self.net.device)
         with ctx:
             for _ in range(max_new_tokens):
-                o = self.net.model(
-                    input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=_LAST_POSITION
-                )
+                o = self.net.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=last)
                 past = o.past_key_values
                 logp = torch.log_softmax(o.logits[:, -1].float().cpu() / temp, dim=-1)
                 tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)

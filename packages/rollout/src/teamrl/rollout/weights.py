@@ -242,7 +242,7 @@ class WeightsApplier:
         copied here by ``_checked_folders``); returns how many. Other files there are left alone."""
         in_use = {Path(p).parent for p in self.engine.paths_in_use()}
         gone = 0
-        for p in self.adapter_root.glob("v*-*"):
+        for p in self.adapter_root.iterdir() if self.adapter_root.is_dir() else ():
             if p.is_dir() and _VERSION_FOLDER.fullmatch(p.name) and p not in in_use:
                 shutil.rmtree(p, ignore_errors=True)
                 gone += 1
