@@ -5,16 +5,16 @@
     teamrl eval --workflow addition-trio-checked --adapters embedded-v1=RUN/groups/embedded-v1/adapters/v30 \
         --adapters checker=RUN/groups/checker/adapters/v30
 
-Samples ``n`` episodes per held-out task on vLLM (temperature ``--temperature``) and reports, over
-tasks, avg@n (mean success over the samples) and the unbiased pass@k of Chen et al. 2021 (eq. 1):
-``1 - C(n - c, k) / C(n, k)`` for ``c`` successes in ``n``. An episode succeeds when its trajectory
-reward is at least ``--success``. Each agent's mean step reward is reported too, and the metrics of
-``teamrl.rollout.runner.evaluation_metrics`` (a verifier's balanced accuracy and accept rate, first-try
-accuracy of routed teams). The workflow and the model are checked first (``teamrl.rollout.team``);
-adapters are loaded the way rollouts load them: the run's probe (a held-out prompt in the model's
-tokenizer), scored here with transformers + PEFT, must match vLLM's, or the adapters are refused.
-A team of several base models is served by one engine per base, each loading its own adapters.
-Prints one JSON object.
+Samples ``n`` episodes per held-out task on vLLM (each agent at its own temperature, or every agent at
+``--temperature``) and reports, over tasks, avg@n (mean success over the samples) and the unbiased
+pass@k of Chen et al. 2021 (eq. 1): ``1 - C(n - c, k) / C(n, k)`` for ``c`` successes in ``n``. An
+episode succeeds when its trajectory reward is at least ``--success``. Each agent's mean step reward is
+reported too, and the metrics of ``teamrl.rollout.runner.evaluation_metrics`` (a verifier's balanced
+accuracy and accept rate, first-try accuracy of routed teams). The workflow and the model are checked
+first (``teamrl.rollout.team``); adapters are loaded the way rollouts load them: the run's probe (a
+held-out prompt in the model's tokenizer), scored here with transformers + PEFT, must match vLLM's, or
+the adapters are refused. A team of several base models is served by one engine per base, each loading
+its own adapters. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -170,11 +170,11 @@ async def _load_adapters(eng: Any, folder: Path, serve: list[tuple[str, str]], b
 async def _sample(
     runner: Any, tasks: list[dict], args: argparse.Namespace
 ) -> tuple[list[tuple[int, dict, int]], list[Any]]:
-    """``--n`` episodes of every task at ``--temperature`` (0: greedy): the (task index, task,
-    sample) jobs and their trajectories."""
+    """``--n`` episodes of every task at ``--temperature`` (0: greedy; unset: each agent's own, as
+    the workflow samples in training): the (task index, task, sample) jobs and their trajectories."""
     if args.temperature == 0.0:
         runner.workflow = runner.greedy
-    else:
+    elif args.temperature is not None:
         runner.workflow = runner.workflow.with_sampling(temperature=args.temperature)
     jobs = [(i, t, s) for i, t in enumerate(tasks) for s in range(args.n)]
     trajs = await asyncio.gather(
@@ -201,7 +201,7 @@ def _report(
         "serve": dict(args.serve),
         "tasks": n_tasks,
         "n": args.n,
-        "temperature": args.temperature,
+        "temperature": "workflow" if args.temperature is None else args.temperature,
         f"avg@{args.n}": sum(sum(r >= args.success for r in rs) / args.n for rs in per_task.values())
         / len(per_task),
     }
@@ -279,7 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-tasks", type=int, default=200, help="held-out tasks used (default 200)")
     p.add_argument("--n", type=int, default=8, help="samples per task (default 8)")
     p.add_argument("--k", default="1,4,8", help="comma-separated k of pass@k (each <= n)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature of every agent (0: greedy); default: each agent's own, from the workflow",
+    )
     p.add_argument("--success", type=float, default=1.0, help="trajectory reward that counts as solved")
     p.add_argument("--seed", type=int, default=0)
     return p

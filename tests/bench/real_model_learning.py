@@ -1,0 +1,142 @@
+"""Does a real language model team learn? Held-out team accuracy before and after RL, over seeds.
+
+For each seed: a real ``teamrl run`` of the workflow on the model (vLLM rollouts, DeepSpeed learner,
+agent-by-agent LoRA updates), then ``teamrl eval`` on the held-out tasks twice with the same sampling
+seed: on the base weights (v0) and on the run's last adapter version. Reported: the team's held-out
+accuracy (avg@n) at v0 and at the end, their paired difference (mean and 95 % interval over the
+seeds, Student's t), each agent's own held-out reward, a verifier's balanced accuracy where the team
+has one, and each run's wall time and training reward per step. Writes ``summary.json`` and
+``table.md`` to ``--out``. Prints figures; asserts nothing. Not a timed test.
+
+    python tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/two15.jsonl
+    python tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-duo-two-number.toml \\
+        --tasks runs/two15.jsonl [--seeds 1,2,3] [--steps 12] [--lr 5e-4] [--out docs/results/real-model/duo]
+
+docs/real-model.md ("A run that learns") gives the figures and the time (about 20 minutes a seed
+on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_runs import mean_ci, read  # noqa: E402
+
+CLI = [sys.executable, "-m", "teamrl.cli.main"]
+
+
+def train(args: argparse.Namespace, seed: int, run_dir: Path) -> float:
+    """One ``teamrl run``; its wall seconds. A finished run (its last adapter version there) is kept:
+    the bench resumes where it stopped."""
+    if (run_dir / "adapters" / f"v{args.steps}").is_dir():
+        return float(json.loads((run_dir / "bench_wall.json").read_text())["seconds"])
+    cmd = [*CLI, "run", "--workflow", args.workflow, "--model", args.model, "--run-dir", str(run_dir)]
+    cmd += ["--steps", str(args.steps), "--tasks-per-step", str(args.tasks_per_step)]
+    cmd += ["--group-size", str(args.group_size), "--lr", str(args.lr), "--seed", str(seed)]
+    cmd += ["--eval-interval", "0", "--max-lag", str(args.max_lag)]
+    cmd += ["--tasks", args.tasks] if args.tasks else []
+    print("training:", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    (run_dir / "bench_wall.json").write_text(json.dumps({"seconds": wall}))
+    return wall
+
+
+def evaluate(args: argparse.Namespace, seed: int, adapters: Path | None, saved: Path) -> dict[str, Any]:
+    """``teamrl eval`` on the held-out tasks (its JSON kept in ``saved``, reused when there)."""
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    cmd = [*CLI, "eval", "--workflow", args.workflow, "--model", args.model]
+    cmd += ["--num-tasks", str(args.num_tasks), "--n", str(args.n), "--k", "1", "--seed", str(seed)]
+    cmd += ["--temperature", str(args.temperature)]
+    cmd += ["--tasks", args.tasks] if args.tasks else []
+    cmd += ["--adapters", str(adapters)] if adapters else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"real_model_learning: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    saved.write_text(proc.stdout.strip().splitlines()[-1])
+    return json.loads(saved.read_text())
+
+
+def step_rewards(run_dir: Path) -> list[float]:
+    """The training reward of each learner step (the team's trajectory reward, mean over the batch)."""
+    rows = read(run_dir / "metrics.jsonl")
+    key = next((k for k in ("reward/trajectory", "reward", "reward_mean") if rows and k in rows[0]), None)
+    return [round(float(r[key]), 3) for r in rows] if key else []
+
+
+def paired(base: list[dict], end: list[dict], key: str) -> dict[str, Any]:
+    b, e = [r.get(key) for r in base], [r.get(key) for r in end]
+    if any(x is None for x in b + e):
+        return {}
+    mb, cb, _ = mean_ci(b)
+    me, ce, _ = mean_ci(e)
+    md, cd, _ = mean_ci([y - x for x, y in zip(b, e, strict=True)])
+    return {"base": b, "end": e, "base_mean": mb, "base_ci95": cb, "end_mean": me, "end_ci95": ce} | {
+        "gain_mean": md,
+        "gain_ci95": cd,
+    }
+
+
+def table(rows: dict[str, dict[str, Any]], seeds: list[int]) -> str:
+    out = "| held-out metric | v0 (base) | end | gain (paired, 95 % CI) | per seed (v0 -> end) |\n"
+    out += "|---|---|---|---|---|\n"
+    for key, r in rows.items():
+        per = ", ".join(f"{x:.3f} -> {y:.3f}" for x, y in zip(r["base"], r["end"], strict=True))
+        out += f"| {key} | {r['base_mean']:.3f} ± {r['base_ci95']:.3f} | {r['end_mean']:.3f} ± "
+        out += f"{r['end_ci95']:.3f} | **{r['gain_mean']:+.3f} ± {r['gain_ci95']:.3f}** | {per} |\n"
+    return out + f"\nSeeds {', '.join(map(str, seeds))}.\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workflow", default="tests/bench/workflows/math-duo-two-number.toml")
+    p.add_argument("--tasks", default="", help="task file (JSONL/Parquet); its last tenth is held out")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--tasks-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--max-lag", type=int, default=1)
+    p.add_argument("--num-tasks", type=int, default=200, help="held-out tasks (at most the split's)")
+    p.add_argument("--n", type=int, default=4, help="samples per held-out task")
+    p.add_argument("--temperature", type=float, default=0.7, help="evaluation sampling temperature")
+    p.add_argument("--runs", default="runs/real-model-learning", help="one run folder per seed here")
+    p.add_argument("--out", default="docs/results/real-model/duo")
+    args = p.parse_args()
+    seeds, out, t0 = [int(s) for s in args.seeds.split(",")], Path(args.out), time.monotonic()
+    base, end, per_seed = [], [], []
+    for seed in seeds:
+        run_dir = Path(args.runs) / f"seed{seed}"
+        wall = train(args, seed, run_dir)
+        base.append(evaluate(args, seed, None, run_dir / "bench_eval_v0.json"))
+        last = run_dir / "adapters" / f"v{args.steps}"
+        end.append(evaluate(args, seed, last, run_dir / f"bench_eval_v{args.steps}.json"))
+        per_seed.append({"seed": seed, "wall_s": round(wall), "step_reward": step_rewards(run_dir)})
+        print(
+            f"seed {seed}: {wall:.0f} s; v0 {json.dumps(base[-1])}\n  end {json.dumps(end[-1])}", flush=True
+        )
+    keys = [k for k in end[0] if isinstance(end[0][k], (int, float)) and (k.startswith("avg@") or "/" in k)]
+    keys += [k for k in end[0] if k.endswith(("_accuracy", "_accept_rate")) and k not in keys]
+    rows = {k: r for k in keys if (r := paired(base, end, k))}
+    text = table(rows, seeds)
+    summary = {k: v for k, v in vars(args).items()} | {"rows": rows, "runs": per_seed}
+    summary |= {"base_evals": base, "end_evals": end, "seconds": round(time.monotonic() - t0)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "table.md").write_text(text)
+    print(text, end="")
+    print(f"wrote {out}/ in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
