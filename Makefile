@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast bench results bench-results lint format check-deploy clean
+.PHONY: setup demo test test-fast bench results bench-results real-model-results lint format check-deploy clean
 
 setup:
 	@bash scripts/setup.sh
@@ -42,6 +42,17 @@ results: setup
 	$(PY) tests/bench/checked_team.py --out runs/results/checked-team --docs docs/results/checked_team
 	$(PY) tests/bench/compare_runs.py mode --reward-latency 0.5 --seeds 4 --out runs/results/mode-latency
 	$(PY) tests/bench/compare_runs.py mode --workflow addition-trio --seeds 3 --out runs/results/mode-trio
+
+# The real model's results (docs/real-model.md; SmolLM2-135M-Instruct, built on first use): LangMARL's
+# judge, free text against structured outputs (about 8 minutes), profile evolution (about 17 minutes),
+# and a team's held-out accuracy before and after RL over 3 seeds (about 80 minutes): about 105 minutes
+# on 2 cores. Prints figures, asserts none.
+real-model-results: setup
+	$(PY) tests/bench/judge_credit.py --workflow tests/bench/workflows/math-duo-d1-judge.toml --out docs/results/profiles/judge_credit.json
+	$(PY) tests/bench/profile_evolution.py --run-dir runs/results/profile-evolution --out docs/results/profiles
+	$(PY) tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/results/two15.jsonl
+	$(PY) tests/bench/real_model_learning.py --tasks runs/results/two15.jsonl --runs runs/results/real-model-duo \
+		--out docs/results/real-model/duo
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results

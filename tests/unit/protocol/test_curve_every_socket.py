@@ -8,6 +8,7 @@ through, and each refusal is counted in ``teamrl_protocol_auth_refused_total{soc
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from pathlib import Path
@@ -42,6 +43,23 @@ def _wait_count(socket: str, reason: str, above: float, timeout_s: float = 20.0)
     while _count(socket, reason) <= above and time.monotonic() < deadline:
         time.sleep(0.05)
     return _count(socket, reason)
+
+
+def _null_greeting(endpoint: str) -> None:
+    """A plaintext peer that always gets as far as naming its mechanism: the whole ZMTP 3.0 greeting
+    (signature, version 3.0, mechanism NULL, as-server 0, filler) in one write, then wait for the
+    server to hang up. A libzmq NULL client sends its mechanism only after reading the server's
+    signature, and on a loaded machine it can read the server's whole greeting first and hang up on the
+    mismatch before sending it; the server then cannot tell a plaintext peer from one that left (not
+    counted, by design), and a test that only retries such clients can miss the count for 30 s (seen
+    in CI). Here the server always reads ``NULL`` and refuses it as ``plaintext``."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + bytes(32)
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(greeting)
+        with contextlib.suppress(OSError):
+            while conn.recv(4096):
+                pass
 
 
 @pytest.fixture
@@ -100,13 +118,16 @@ def test_data_ingest_admits_only_rollouts(transport: TransportConfig) -> None:
             _wait_count("buffer_data", "unknown_key", before["unknown_key"] + 1) >= before["unknown_key"] + 2
         )
         # A loaded machine can miss the monitor event of one refused handshake (seen in CI): a fresh
-        # plaintext peer knocks again until one refusal is counted, as the RPC test below does.
+        # plaintext peer knocks again, and a whole NULL greeting (_null_greeting), until one refusal is
+        # counted, as the RPC test below does.
         deadline = time.monotonic() + 30
         while _count("buffer_data", "plaintext") < before["plaintext"] + 1 and time.monotonic() < deadline:
             knock = ZmqDataSender(recv.endpoint, "plaintext-again", ack_timeout_s=30)
             knock.send(b"poison")
             _wait_count("buffer_data", "plaintext", before["plaintext"], timeout_s=2.0)
             knock.close()
+            _null_greeting(recv.endpoint)
+            _wait_count("buffer_data", "plaintext", before["plaintext"], timeout_s=2.0)
         assert _count("buffer_data", "plaintext") >= before["plaintext"] + 1
     finally:
         for s in (*intruders, rollout):
@@ -143,6 +164,8 @@ def test_sample_rpc_admits_learner_rollout_admin(transport: TransportConfig) -> 
             while _count("buffer_rpc", reason) < before[reason] + 1 and time.monotonic() < deadline:
                 with pytest.raises(PeerTimeout):
                     client.call(BufferStatsRequest())  # each attempt is another refused handshake
+                if reason == "plaintext":
+                    _null_greeting(server.endpoint)
             assert _count("buffer_rpc", reason) >= before[reason] + 1, reason
     finally:
         stop.set()
@@ -196,6 +219,8 @@ def test_weights_pub_and_latest_admit_only_rollouts_and_admin(transport: Transpo
                     knock.latest(500)
                 _wait_count(s, "plaintext", before[k], timeout_s=2.0)
                 knock.close()
+                _null_greeting(pub.pub_endpoint if s == "learner_weights" else pub.latest_endpoint)
+                _wait_count(s, "plaintext", before[k], timeout_s=2.0)
             assert _count(s, "plaintext") >= before[k] + 1, s
     finally:
         for s in (rollout, *intruders):
