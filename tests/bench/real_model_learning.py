@@ -42,6 +42,7 @@ def train(args: argparse.Namespace, seed: int, run_dir: Path) -> float:
     cmd += ["--group-size", str(args.group_size), "--lr", str(args.lr), "--seed", str(seed)]
     cmd += ["--eval-interval", "0", "--max-lag", str(args.max_lag)]
     cmd += ["--tasks", args.tasks] if args.tasks else []
+    cmd += [x for kv in args.set for x in ("--set", kv)]
     print("training:", " ".join(cmd), flush=True)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -109,6 +110,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4, help="samples per held-out task")
     p.add_argument(
         "--temperature", type=float, default=None, help="evaluation temperature (default: each agent's own)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="passed to teamrl run (repeatable), e.g. learner.dtype=bfloat16",
     )
     p.add_argument("--runs", default="runs/real-model-learning", help="one run folder per seed here")
     p.add_argument("--out", default="docs/results/real-model/duo")

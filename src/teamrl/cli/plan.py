@@ -407,6 +407,7 @@ def _apply_user_config(
         raise PlanError(f"--set: {e}") from None
     _streaming_min_size(cfg, out)
     _profiles_alone_budget(cfg, out)
+    _probe_dtype(out)
     unknown = sorted(set(out) - set(SECTIONS))
     if unknown:
         raise PlanError(
@@ -433,6 +434,25 @@ def _profiles_alone_budget(planned: dict[str, dict[str, Any]], out: dict[str, di
     key = "max_groups_per_version"
     if learner.get("train_weights") is False and roll.get(key) == planned.get("rollout", {}).get(key):
         roll[key] = 0
+
+
+def _probe_dtype(out: dict[str, dict[str, Any]]) -> None:
+    """A bfloat16 learner feeding float32 rollouts publishes float32 probes, computed from the exported
+    files (``learner.probe_dtype``, teamrl.learner.probe_ref), unless the user chose. bfloat16 rollouts
+    are refused without an explicit ``learner.probe_atol``: their log-probs differ from any learner's by
+    as much as training moves them (docs/real-model.md, "A bfloat16 learner")."""
+    learner, roll = out.get("learner", {}), out.get("rollout", {})
+    if roll.get("dtype", "float32") == "bfloat16":
+        if not learner.get("probe_atol"):
+            raise PlanError(
+                "rollout.dtype = bfloat16: its log-probs cannot be probe-verified to a useful tolerance on "
+                "CPU (on SmolLM2-135M they differ from the learner's by up to 0.48 nats, as much as a trained "
+                "adapter moves them). Keep rollout.dtype = float32 with learner.dtype = bfloat16 (float32 "
+                "probes, the strict check), or set learner.probe_atol (about 0.5; it then catches only gross "
+                "faults)"
+            )
+    elif learner.get("dtype") == "bfloat16" and "probe_dtype" not in learner:
+        learner["probe_dtype"] = "float32"
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:

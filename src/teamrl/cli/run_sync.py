@@ -50,6 +50,7 @@ class SyncRun:
     def __init__(self, args: argparse.Namespace, plan: RunPlan) -> None:
         from teamrl.learner.config import LearnerConfig
         from teamrl.learner.engine import LearnerEngine, init_distributed
+        from teamrl.learner.publish import probe_reference
         from teamrl.learner.settings import EngineSettings
         from teamrl.protocol.children import start_reaper
         from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
@@ -74,6 +75,7 @@ class SyncRun:
         self.learner = LearnerEngine(
             plan.model, self.lcfg.adapters, EngineSettings.from_config(self.lcfg), device="cpu"
         )
+        self.probe_ref = probe_reference(self.lcfg, self.learner)  # float32 probes of a bfloat16 learner
         self.receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
         incarnation = uuid.uuid4().hex[:12]
         self.sender = ZmqDataSender(self.receiver.endpoint, incarnation)
@@ -83,6 +85,7 @@ class SyncRun:
                 seed=args.seed,
                 max_lora_rank=rcfg["max_lora_rank"],
                 lora_target_modules=tuple(rcfg["lora_target_modules"]),
+                dtype=rcfg.get("dtype", "float32"),
             )
         )
         scale = rcfg["reward_scale"]
@@ -124,22 +127,12 @@ class SyncRun:
 
     def export(self, version: int) -> None:
         """Export the learner's adapters as ``version`` with their probes (kept for a lagged load)."""
+        from teamrl.learner.publish import make_probes
         from teamrl.protocol.adapters import adapters_sha256
-        from teamrl.protocol.control import Probe
 
         lcfg = self.lcfg
         folders = self.learner.export_adapters(self.run_dir / "adapters" / f"v{version}")
-        probes = {
-            a: Probe(
-                prompt_ids=lcfg.probe_prompt,
-                completion_ids=lcfg.probe_completion,
-                expected_logprobs=self.learner.completion_logprobs(
-                    a, lcfg.probe_prompt, lcfg.probe_completion
-                ),
-                atol=1e-3,
-            )
-            for a in lcfg.adapters
-        }
+        probes = make_probes(self.learner, lcfg, folders, self.probe_ref)
         self.exported[version] = (folders, probes, adapters_sha256(folders))
         for old in [v for v in self.exported if v < version - self.lag]:
             del self.exported[old]

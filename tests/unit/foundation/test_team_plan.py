@@ -332,6 +332,42 @@ def test_a_run_that_trains_profiles_alone_has_no_version_budget(tmp_path: Path) 
     assert budget(*weights_off, "--set", "rollout.max_groups_per_version=8") == 8
 
 
+def test_a_bfloat16_learner_publishes_float32_probes_and_bfloat16_rollouts_need_a_stated_tolerance(
+    tmp_path: Path,
+) -> None:
+    """``learner.dtype = bfloat16`` with float32 rollouts gets float32 probes from the exported files
+    (unless the user chose); ``rollout.dtype = bfloat16`` is refused before any process without an
+    explicit ``learner.probe_atol`` (its log-probs cannot be verified to a useful tolerance on CPU)."""
+    from teamrl.cli.plan import PlanError, plan
+    from teamrl.cli.run import parse_args
+
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj"))
+
+    def learner(*extra: str) -> dict:
+        argv = ["--workflow", "addition-duo", "--model", str(model), *extra]
+        return plan(parse_args(argv, "teamrl run", None, str(tmp_path / "run")), build=False).config[
+            "learner"
+        ]
+
+    assert "probe_dtype" not in learner()
+    assert learner("--set", "learner.dtype=bfloat16")["probe_dtype"] == "float32"
+    assert (
+        learner("--set", "learner.dtype=bfloat16", "--set", "learner.probe_dtype=auto")["probe_dtype"]
+        == "auto"
+    )
+    with pytest.raises(PlanError, match="rollout.dtype = bfloat16.*learner.probe_atol"):
+        learner("--set", "rollout.dtype=bfloat16", "--set", "learner.dtype=bfloat16")
+    both = learner(
+        "--set",
+        "rollout.dtype=bfloat16",
+        "--set",
+        "learner.dtype=bfloat16",
+        "--set",
+        "learner.probe_atol=0.5",
+    )
+    assert both["probe_atol"] == 0.5 and "probe_dtype" not in both
+
+
 def test_a_workflow_that_waits_on_the_world_keeps_two_steps_of_groups_in_flight(tmp_path: Path) -> None:
     """With a reward or tool latency, the plan keeps two steps' groups in flight per rollout (the
     waiting ones would otherwise hold every slot); without, one step's."""

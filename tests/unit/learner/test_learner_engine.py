@@ -162,3 +162,30 @@ def test_the_learner_side_judge_samples_the_base_and_refuses_text_its_vocabulary
         rounds = ProfileRound(Path(d), judge, interval=1, initial=solver_profile, fsync=False)
         assert rounds.maybe_run(1, [ep(i) for i in range(4)]) is None
     assert PROPOSALS_REJECTED.labels(reason="judge_error")._value.get() == before + 1
+
+
+def test_float32_probe_of_the_exported_files_reproduces_the_learner(engine, tmp_path) -> None:
+    """``probe_ref.Float32Probe`` (a fresh float32 base with the exported PEFT folder) gives the
+    float32 learner's own probe log-probs: the reference a bfloat16 learner publishes instead."""
+    from types import SimpleNamespace
+
+    from teamrl.learner.modelbuild import build
+    from teamrl.learner.probe_ref import Float32Probe
+    from teamrl.learner.publish import make_probes
+
+    engine.train_step(_trajectories(engine), step=5, current_version=0, fresh_version=None)
+    folders = engine.export_adapters(tmp_path)
+    prompt, completion = enc("S01+23="), [2, 4, 6, 14]
+    ref = Float32Probe(build())  # the folder the engine was built on
+    got = ref.logprobs(folders["solver-lora"], prompt, completion)
+    want = engine.completion_logprobs("solver-lora", prompt, completion)
+    base = engine.completion_logprobs(None, prompt, completion)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(want, base, strict=True)) > 1e-3  # the adapter moved them
+    again = ref.logprobs(folders["solver-lora"], prompt, completion)  # the base was restored between
+    assert again == got
+    cfg = SimpleNamespace(
+        adapters=list(folders), probe_prompt=prompt, probe_completion=completion, probe_atol=0.0
+    )
+    probes = make_probes(engine, cfg, folders, ref)
+    assert probes["solver-lora"].expected_logprobs == got and probes["solver-lora"].atol == 1e-3

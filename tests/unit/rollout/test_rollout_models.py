@@ -319,6 +319,14 @@ def test_service_builds_one_engine_and_applier_per_base(tmp_path: Path) -> None:
     assert svc.not_ready_reason() == "engine starting (embedded-v1, second)"
 
 
+def test_service_engines_take_the_rollout_dtype(tmp_path: Path) -> None:
+    cfg = two_base_cfg(tmp_path, seed=4, replica=0)
+    assert cfg.dtype == "float32"  # the default: the embedded models' curves are measured in float32
+    cfg.dtype = "bfloat16"
+    svc = RolloutService(cfg, buffer="tcp://127.0.0.1:9", weights=None)
+    assert [b.engine.cfg.dtype for b in svc.bases.values()] == ["bfloat16", "bfloat16"]
+
+
 def test_an_adapter_announced_on_another_bases_link_is_refused_naming_adapter_agents_and_models(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

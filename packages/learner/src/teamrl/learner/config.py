@@ -283,6 +283,20 @@ class LearnerConfig(_Strict):
         description="token ids of the probe completion; the learner announces their log-probs with each "
         "version and a rollout uses the version only if vLLM reproduces them",
     )
+    probe_dtype: Literal["auto", "float32"] = Field(
+        "auto",
+        description="auto = the probe log-probs are the learner's own (its dtype); float32 = computed from the "
+        "exported adapter files on a float32 copy of the base (a bfloat16 learner feeding float32 rollouts: "
+        "teamrl run sets it; teamrl.learner.probe_ref)",
+    )
+    probe_atol: float = Field(
+        0.0,
+        ge=0,
+        description="how closely a rollout must reproduce the probe log-probs (max |difference|); 0 = by the "
+        "probe's dtype (float32 1e-3, bfloat16 0.0625). A bfloat16 rollout on CPU needs about 0.5: its "
+        "log-probs differ from the learner's by up to 0.48 on SmolLM2-135M's probe, as much as training "
+        "moves them, so the probe then catches only gross faults (docs/real-model.md, 'A bfloat16 learner')",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:

@@ -4,7 +4,8 @@
 (PEFT safetensors) to ``RUN/adapters/vV`` and announces them as ``WeightsPublished`` on the weights
 PUB socket and its "latest" endpoint: inline chunks of a deterministic tar or the folder's URI, the
 sha256 of the bytes as they travel, and one probe per adapter (prompt, completion, this learner's
-log-probs of it, within :func:`probe_atol`) that a rollout reproduces before it uses the version.
+log-probs of it, within :func:`probe_atol`; a bfloat16 learner may compute them in float32 from the
+exported files, :mod:`teamrl.learner.probe_ref`) that a rollout reproduces before it uses the version.
 The last 8 version folders are kept. LangMARL profile versions go out on the same sockets. Before a
 version goes out, :func:`announce_version` tells the replay buffer (docs/security.md, "Versions").
 docs/architecture.md §8 ("WeightsPublished and the hot-load") describes the message and its checks.
@@ -42,6 +43,37 @@ def probe_atol(dtype: str) -> float:
     return 8 * BF16_EPS if dtype == "bfloat16" else 1e-3
 
 
+def make_probes(engine: Any, cfg: Any, dirs: dict[str, Path], ref: Any = None) -> dict[str, Any]:
+    """One ``Probe`` per adapter of ``cfg.adapters`` exported to ``dirs``: the probe tokens and their
+    expected log-probs, from the learner ``engine`` or, given ``ref`` (a
+    :class:`teamrl.learner.probe_ref.Float32Probe`), from the exported files in float32; the tolerance
+    is ``cfg.probe_atol`` or :func:`probe_atol` of the dtype the expectation was computed in."""
+    from teamrl.protocol.control import Probe
+
+    prompt, completion = list(cfg.probe_prompt), list(cfg.probe_completion)
+    atol = cfg.probe_atol or probe_atol("float32" if ref is not None else engine.dtype)
+
+    def expected(a: str) -> list[float]:
+        if ref is not None:
+            return ref.logprobs(dirs[a], prompt, completion)
+        return engine.completion_logprobs(a, prompt, completion)
+
+    return {
+        a: Probe(prompt_ids=prompt, completion_ids=completion, expected_logprobs=expected(a), atol=atol)
+        for a in cfg.adapters
+    }
+
+
+def probe_reference(cfg: Any, engine: Any) -> Any:
+    """The float32 reference of a learner that trains in another dtype and is asked for float32
+    probes (``probe_dtype = "float32"``); None when the learner's own log-probs are the probe."""
+    if cfg.probe_dtype != "float32" or engine.dtype == "float32":
+        return None
+    from teamrl.learner.probe_ref import Float32Probe
+
+    return Float32Probe(cfg.base_model)
+
+
 class AdapterPublisher:
     """Exports and announces adapter versions (and profile versions) on a ``WeightsPublisher``."""
 
@@ -54,6 +86,7 @@ class AdapterPublisher:
         self.run_dir = run_dir
         self.model = model
         self.timeline = timeline  # teamrl.protocol.timeline.Timeline: export, then publish
+        self.probe_ref = probe_reference(cfg, engine)  # float32 probes of a bfloat16 learner, or None
 
     def publish(self, version: int, *, final: bool) -> dict[str, float]:
         """Export the adapters as ``version`` and announce them; the step's publish metrics."""
@@ -79,18 +112,11 @@ class AdapterPublisher:
     def _message(self, version: int, final: bool, folder: Path, dirs: dict[str, Path], size: int) -> Any:
         """The ``WeightsPublished`` of the exported ``dirs``: where they are, their digest, probes."""
         from teamrl.protocol.adapters import adapters_sha256, payload_sha256, write_adapter_payload
-        from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
+        from teamrl.protocol.control import InlineWeights, UriWeights, WeightsPublished
 
         cfg = self.cfg
-        probes = {  # every adapter gets its own probe: a rollout verifies each before using the version
-            a: Probe(
-                prompt_ids=list(cfg.probe_prompt),
-                completion_ids=list(cfg.probe_completion),
-                expected_logprobs=self.engine.completion_logprobs(a, cfg.probe_prompt, cfg.probe_completion),
-                atol=probe_atol(self.engine.dtype),
-            )
-            for a in cfg.adapters
-        }
+        # every adapter gets its own probe: a rollout verifies each before using the version
+        probes = make_probes(self.engine, cfg, dirs, self.probe_ref)
         # the digest of the bytes as they travel: the tar when inline, the files themselves when shared
         if cfg.publish_mode == "inline" and size <= cfg.inline_max_bytes:
             payload, n = write_adapter_payload(dirs), cfg.chunk_bytes

@@ -51,9 +51,17 @@ class Bases(dict[str, Base]):
     """``{model_id: Base}`` in ``[rollout.models]`` order (one entry without it)."""
 
     @classmethod
-    def build(cls, plans: dict[str, ServedBase], seed: int, keep_versions: int, kv_cache_bytes: int) -> Bases:
+    def build(
+        cls,
+        plans: dict[str, ServedBase],
+        seed: int,
+        keep_versions: int,
+        kv_cache_bytes: int,
+        dtype: str = "float32",
+    ) -> Bases:
         """One engine per planned base (not started yet), seeded with ``seed``, keeping
-        ``keep_versions`` adapter versions loaded, with a CPU KV cache of ``kv_cache_bytes``."""
+        ``keep_versions`` adapter versions loaded, with a CPU KV cache of ``kv_cache_bytes``, its
+        weights in ``dtype``."""
         from teamrl.rollout.engine import EngineConfig, RolloutEngine
 
         bases = cls()
@@ -67,6 +75,7 @@ class Bases(dict[str, Base]):
                     keep_versions=keep_versions,
                     kv_cache_bytes=kv_cache_bytes,
                     max_model_len=plan.max_model_len,
+                    dtype=dtype,
                 )
             )
             bases[model_id] = Base(plan, engine)

@@ -153,7 +153,9 @@ class RolloutService:
         self.sender.flush_timeout_s = cfg.flush_timeout_s
         self.fatal = False  # an engine died: exit non-zero so a supervisor restarts the service
         self.replica, self.num_replicas, self.seed_offset = place_replica(cfg, self.incarnation)
-        self.bases = Bases.build(plans, cfg.seed + self.seed_offset, cfg.keep_versions, cfg.kv_cache_bytes)
+        self.bases = Bases.build(
+            plans, cfg.seed + self.seed_offset, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype
+        )
         self.runner = _workflow_runner(cfg, self.bases, self.incarnation)
         self.bases.attach_appliers(self.runner, cfg.adapter_dir)
         self.evaluator = Evaluator(cfg, self.runner, self.replica)
