@@ -119,12 +119,11 @@ class RolloutLane:
 class RolloutService:
     """One rollout service. ``asyncio.run(RolloutService(cfg, ...).main())`` returns the exit code.
 
-    ``weights``: the ``--weights`` values (one endpoint, or ``MODEL_ID=ENDPOINT`` ones; None = the
-    default endpoint for one base). ``bases`` maps each base model id to its engine and weights
-    applier (:func:`resolve_bases`, ``teamrl.rollout.bases``); ``engine`` and ``applier`` are the
-    first base's. LangMARL profile versions are applied only from the first base's link: the
-    learner group of the first base of ``[rollout.models]`` runs the profile rounds
-    (docs/architecture.md §3)."""
+    ``weights``: the ``--weights`` values (one endpoint, or ``MODEL_ID=ENDPOINT`` ones; None = the default
+    endpoint for one base). ``bases`` maps each base model id to its engine and weights applier
+    (:func:`resolve_bases`, ``teamrl.rollout.bases``); ``engine`` and ``applier`` are the first base's.
+    LangMARL profile versions are applied only from the first base's link: the learner group of the
+    first base of ``[rollout.models]`` runs the profile rounds (docs/architecture.md §3)."""
 
     def __init__(
         self,
