@@ -52,7 +52,7 @@ real-model-results: setup
 	$(PY) tests/bench/profile_evolution.py --run-dir runs/results/profile-evolution --out docs/results/profiles
 	$(PY) tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/results/two15.jsonl
 	$(PY) tests/bench/real_model_learning.py --tasks runs/results/two15.jsonl --runs runs/results/real-model-duo \
-		--out docs/results/real-model/duo
+		--steps 28 --set learner.dtype=bfloat16 --out docs/results/real-model/duo-bf16
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results
