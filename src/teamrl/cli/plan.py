@@ -451,8 +451,11 @@ def _probe_dtype(out: dict[str, dict[str, Any]]) -> None:
                 "probes, the strict check), or set learner.probe_atol (about 0.5; it then catches only gross "
                 "faults)"
             )
-    elif learner.get("dtype") == "bfloat16" and "probe_dtype" not in learner:
-        learner["probe_dtype"] = "float32"
+        return
+    # [groups.<id>] inherit [learner]'s probe_dtype, unless a group sets its own dtype
+    for table in [learner, *(out.get("groups") or {}).values()]:
+        if table.get("dtype") == "bfloat16" and "probe_dtype" not in table:
+            table["probe_dtype"] = "float32"
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:

@@ -229,3 +229,13 @@ def test_a_credit_judge_on_its_own_model_needs_a_folder_too(tmp_path: Path) -> N
         plan_team(path, dirs)
     team = plan_team(path, {**dirs, "judge-model": fake_model(tmp_path / "judge")})
     assert set(team.model_dirs) == {"embedded-v1", "judge-model"} and list(team.bases) == ["embedded-v1"]
+
+
+def test_a_group_that_trains_in_bfloat16_publishes_float32_probes(tmp_path: Path) -> None:
+    """A group's own ``dtype = bfloat16`` gets float32 probes for its float32 rollouts; the other group,
+    in float32, keeps its own log-probs as the probe."""
+    p = plan(_args(tmp_path, "--set", "groups.embedded-llama.dtype=bfloat16"), build=False)
+    solver, verifier = (p.learner_table(g) for g in p.groups)
+    assert verifier["probe_dtype"] == "float32" and "probe_dtype" not in solver
+    shared = plan(_args(tmp_path, "--set", "learner.dtype=bfloat16"), build=False)
+    assert all(shared.learner_table(g)["probe_dtype"] == "float32" for g in shared.groups)

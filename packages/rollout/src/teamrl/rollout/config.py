@@ -106,7 +106,8 @@ class RolloutConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="the engines' weights and activations; bfloat16 generates 1.5x faster on a CPU with AMX "
-        "(docs/real-model.md, 'Speed'); pair it with learner.dtype = bfloat16",
+        "(docs/real-model.md, 'Speed'), but its log-probs cannot be probe-verified there: teamrl run refuses it "
+        "without learner.probe_atol (docs/real-model.md, 'A bfloat16 learner')",
     )
     max_model_len: int = Field(
         0,
