@@ -5,8 +5,8 @@ agent-by-agent LoRA updates), then ``teamrl eval`` on the held-out tasks twice w
 seed: on the base weights (v0) and on the run's last adapter version. Reported: the team's held-out
 accuracy (avg@n) at v0 and at the end, their paired difference (mean and 95 % interval over the
 seeds, Student's t), each agent's own held-out reward, a verifier's balanced accuracy where the team
-has one, and each run's wall time and training reward per step. Writes ``summary.json`` and
-``table.md`` to ``--out``. Prints figures; asserts nothing. Not a timed test.
+has one, and each run's wall time and training reward per step. Writes ``summary.json``,
+``table.md`` and ``curve.png`` (training reward per step, held-out accuracy v0 -> end per seed) to ``--out``. Prints figures; asserts nothing. Not a timed test.
 
     python tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/two15.jsonl
     python tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-duo-two-number.toml \\
@@ -97,6 +97,39 @@ def table(rows: dict[str, dict[str, Any]], seeds: list[int]) -> str:
     return out + f"\nSeeds {', '.join(map(str, seeds))}.\n"
 
 
+def plot(summary: dict[str, Any], key: str, dest: Path) -> None:
+    """curve.png: each seed's training reward per learner step (and their mean), and each seed's held-out
+    ``key`` on the base weights and at the end (paired), with the mean gain and its 95 % interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
+    curves = [r["step_reward"] for r in summary["runs"]]
+    for run, ys in zip(summary["runs"], curves, strict=True):
+        left.plot(range(1, len(ys) + 1), ys, alpha=0.35, label=f"seed {run['seed']}")
+    n = min(len(ys) for ys in curves)
+    mean = [sum(ys[i] for ys in curves) / len(curves) for i in range(n)]
+    left.plot(range(1, n + 1), mean, "k", lw=2, label="mean")
+    left.set_xlabel("learner step")
+    left.set_ylabel("training reward (batch mean)")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    row = summary["rows"][key]
+    for run, b, e in zip(summary["runs"], row["base"], row["end"], strict=True):
+        right.plot([0, 1], [b, e], "o-", alpha=0.6, label=f"seed {run['seed']}")
+    right.plot([0, 1], [row["base_mean"], row["end_mean"]], "ks-", lw=2, label="mean")
+    right.set_xticks([0, 1], ["v0 (base)", f"v{summary['steps']}"])
+    right.set_ylabel(f"held-out {key}")
+    right.set_title(f"gain {row['gain_mean']:+.3f} ± {row['gain_ci95']:.3f} (95 %)", fontsize=10)
+    right.grid(alpha=0.3)
+    fig.suptitle(f"{Path(summary['workflow']).stem} on {summary['model']}, {len(curves)} seeds")
+    fig.tight_layout()
+    fig.savefig(dest, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workflow", default="tests/bench/workflows/math-duo-two-number.toml")
@@ -144,6 +177,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(text)
+    if keys and keys[0] in rows:
+        plot(summary, keys[0], out / "curve.png")
     print(text, end="")
     print(f"wrote {out}/ in {time.monotonic() - t0:.0f} s")
 
