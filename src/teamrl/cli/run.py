@@ -19,6 +19,7 @@ built-in workflow and ``runs/demo``): an example of the general path, not a spec
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -253,6 +254,35 @@ def _workflow_optional(p: argparse.ArgumentParser) -> None:
             a.required = False
 
 
+class RunFolderBusy(RuntimeError):
+    """Another launcher holds the run folder (``RUN/.teamrl.lock``)."""
+
+
+def hold_run_folder(run_dir: Path):
+    """The open, exclusively ``flock``-ed ``RUN/.teamrl.lock`` (this launcher's pid written in it), held for
+    the launcher's life: a second launcher on the same folder (an old run still draining, say) is
+    refused with :class:`RunFolderBusy` rather than sharing its checkpoints and adapters. The kernel
+    drops the lock when the holder dies, however it dies; closing the file releases it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".teamrl.lock"
+    f = open(path, "a+")  # noqa: SIM115 - returned open: the lock lives as long as the file
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunFolderBusy(
+            f"run folder {run_dir} is in use by another teamrl launcher (pid {holder}): wait for it to "
+            "finish, stop it, or give another --run-dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def main(
     argv: list[str] | None = None,
     prog: str = "teamrl run",
@@ -291,6 +321,16 @@ def main(
             file=sys.stderr,
         )
         return 2
+    try:
+        held = hold_run_folder(Path(args.run_dir))
+    except RunFolderBusy as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    with held:
+        return _launch(args, run_plan)
+
+
+def _launch(args: argparse.Namespace, run_plan) -> int:
     if args.mode == "async":
         from teamrl.cli.run_async import run_async
 
