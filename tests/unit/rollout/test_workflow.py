@@ -502,6 +502,23 @@ def test_profile_prefix_anonymous_agents_and_stop_strings() -> None:
     assert be.calls[0]["sampling"].stop_token_ids == (14,)
 
 
+def test_response_prefix_ends_the_prompt_and_starts_the_text_that_routes_and_rewards_read() -> None:
+    """A verifier made to give its verdict first: 'VERDICT:' is prompt (never trained), and its reply
+    text, which the route and the verifier reward parse, begins with it."""
+    d = load("addition-trio").model_dump()
+    d["agents"][1]["response_prefix"] = "0"  # the verifier's reply starts with its verdict, "0" (wrong)
+    be = Scripted({"solver-lora": ["51;"], "verifier-lora": [";"]})
+    traj = episode(Workflow.from_dict(d), be, tok=CHAR)
+    verifier = traj.steps[1]
+    assert CHAR.decode(verifier.prompt_ids) == "V07+45=051?0"  # the prefix ends the prompt
+    assert CHAR.decode(verifier.response_ids) == ";"  # the response is what the model wrote
+    assert len(verifier.logprobs) == len(verifier.response_ids)
+    assert verifier.response_text == "0;"
+    # "0;" routed back to the solver (twice, the route's limit), each a right verdict on a wrong answer
+    assert [s.agent_id for s in traj.steps] == ["solver", "verifier"] * 3
+    assert [s.reward for s in traj.steps] == [0.0, 1.0] * 3
+
+
 def test_with_profiles_changes_the_prompts_and_the_episode_records_the_version() -> None:
     d = _wf()
     d["agents"][0]["profile"] = "You propose."

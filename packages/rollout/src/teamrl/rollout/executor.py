@@ -196,16 +196,19 @@ class _Missing(dict):
 
 
 def _prompt_ids(agent: AgentSpec, tok: Tokenizer, user: str) -> list[int]:
+    """The agent's prompt: its profile and ``user`` (through the chat template when it has one), then
+    its ``response_prefix``, which the model continues."""
+    prefix = tok.encode(agent.response_prefix, add_special=False) if agent.response_prefix else []
     if agent.chat:
         msgs = ([{"role": "system", "content": agent.profile}] if agent.profile else []) + [
             {"role": "user", "content": user}
         ]
         ids = tok.chat(msgs)
         if ids is not None:
-            return list(ids)
+            return list(ids) + prefix
     if agent.profile and "{profile}" not in agent.template:
         user = agent.profile + "\n\n" + user
-    return tok.encode(user)
+    return tok.encode(user) + prefix
 
 
 def _seed(seed: int | None, act_index: int, tool_round: int) -> int | None:
@@ -226,7 +229,7 @@ async def _run_act(
     for rnd in range(agent.max_tool_rounds + 1):
         gen = await engine.generate(prompt, samp, agent.adapter, seed=_seed(act.seed, act.index, rnd))
         ids, lps, cut = _cut_at_stop(list(gen.token_ids), list(gen.logprobs), tok, stops)
-        text = tok.decode(ids)
+        text = (agent.response_prefix if rnd == 0 else "") + tok.decode(ids)
         step = AgentStep(
             agent_id=agent.id,
             role=agent.role,

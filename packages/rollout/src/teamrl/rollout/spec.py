@@ -89,6 +89,13 @@ class AgentSpec(_Strict):
     tools: list[str] = Field(default_factory=list, description="names of [tools] this agent may call")
     max_tool_rounds: int = Field(2, ge=0, description="tool calls per node act, at most")
     chat: bool = Field(True, description="use the tokenizer's chat template when it has one")
+    response_prefix: str = Field(
+        "",
+        description="text the agent's reply starts with: put at the end of its prompt (after the chat "
+        "template's assistant header), so the model continues it. Never trained (it is prompt), but part "
+        "of the response text that routes, other agents and the reward read; e.g. 'VERDICT:' makes a "
+        "verifier choose its verdict before anything else",
+    )
 
 
 class NodeSpec(_Strict):
