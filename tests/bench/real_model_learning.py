@@ -6,7 +6,8 @@ seed: on the base weights (v0) and on the run's last adapter version. Reported: 
 accuracy (avg@n) at v0 and at the end, their paired difference (mean and 95 % interval over the
 seeds, Student's t), each agent's own held-out reward, a verifier's balanced accuracy where the team
 has one, and each run's wall time and training reward per step. Writes ``summary.json``,
-``table.md`` and ``curve.png`` (training reward per step, held-out accuracy v0 -> end per seed) to ``--out``. Prints figures; asserts nothing. Not a timed test.
+``table.md`` and ``curve.png`` (training reward per step, held-out accuracy v0 -> end per seed) to
+``--out``. Prints figures; asserts nothing. Not a timed test.
 
     python tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/two15.jsonl
     python tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-duo-two-number.toml \\

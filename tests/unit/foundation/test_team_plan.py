@@ -95,6 +95,10 @@ def test_each_adapter_keeps_its_own_rank_and_the_engine_max_covers_the_largest(t
             {"template": "Solve {task[question]}"},
             r"agent 'solver' template: the model's tokenizer cannot encode",
         ),
+        (
+            {"response_prefix": "Answer:"},
+            r"agent 'solver' response_prefix: the model's tokenizer cannot encode",
+        ),
     ],
 )
 def test_a_workflow_that_cannot_train_is_refused_naming_file_agent_and_field(

@@ -374,7 +374,8 @@ def _encoded_prompt(
     try:
         return _prompt_ids(agent, tok, text)
     except TokenizerError as e:
-        field_ = "profile" if agent.profile and _fails(tok, agent.profile) else "template"
+        own = (("profile", agent.profile), ("response_prefix", agent.response_prefix))
+        field_ = next((name for name, text in own if text and _fails(tok, text)), "template")
         raise WorkflowError(
             f"{where}: agent {agent_id!r} {field_}: the model's tokenizer cannot encode it: {e}",
             agent=agent_id,
