@@ -27,7 +27,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from teamrl.protocol.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "monitoring" / "dashboards" / "teamrl.json"
@@ -52,12 +53,6 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 # --------------------------------------------------------------------------------------------
 # Prometheus: start one, ask it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(url: str, path: str, params: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
@@ -121,7 +116,7 @@ def local_prometheus(
         raise FileNotFoundError("no `prometheus` on PATH (Debian: apt-get install prometheus)")
     work = Path(tempfile.mkdtemp(prefix="teamrl-prom-"))
     data = tsdb or work / "data"
-    port = _free_port()
+    port = free_port()
     step = f"{max(1, round(interval * 1000))}ms"
     config = {
         "global": {"scrape_interval": step, "scrape_timeout": step, "evaluation_interval": step},

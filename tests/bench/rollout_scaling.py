@@ -20,7 +20,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +28,9 @@ import urllib.request
 from pathlib import Path
 
 from teamrl.protocol.codec import decode_trajectories
+from teamrl.protocol.ports import free_port
 from teamrl.protocol.zmq_transport import ZmqDataReceiver
 from teamrl.rollout.cpus import core_shares
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:

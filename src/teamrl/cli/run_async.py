@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,35 +32,13 @@ from teamrl.cli.plots import group_dir, read_jsonl
 from teamrl.cli.run_sync import summary
 from teamrl.cli.supervisor import Service, Supervisor
 from teamrl.cli.trackers import RunTrackers, start_trackers
+from teamrl.protocol.ports import free_port
 from teamrl.rollout.cpus import core_shares
 
 MAX_RESTARTS = 3  # a service that dies is started again this many times (each service its own budget)
 CONFIG_RC = 2  # a service's exit code for a bad config or usage: a restart cannot fix it, so none is tried
 FINAL_EVAL_WAIT_S = 300.0  # a rollout restarted near the end needs its vLLM start-up before it can evaluate
 STOP_ORDER = ["learner", "rollout", "buffer"]  # the learner checkpoints; rollouts drain into a live buffer
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 are both free now (weights PUB + its latest endpoint)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p >= 65535:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-        except OSError:
-            continue
-        return p
-    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveView:
@@ -189,7 +166,7 @@ class Wiring:
     def pick(cls, rollouts: int, groups: list[str] | tuple[str, ...] = ("",)) -> Wiring:
         ports = {"data": free_port(), "sample": free_port()}
         for g in groups:
-            ports[_named("publish", g)] = free_port_pair()
+            ports[_named("publish", g)] = free_port(2)
         ports["metrics_buffer"] = free_port()
         for g in groups:
             ports[_named("metrics_learner", g)] = free_port()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +26,6 @@ from pathlib import Path
 from teamrl.protocol.children import parent_death_env
 
 STACKS_GRACE_S = 2.0  # between SIGUSR1 (print stacks) and SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -29,15 +29,10 @@ from teamrl.protocol.control import (
     Shutdown,
 )
 from teamrl.protocol.examples import example_trajectories
+from teamrl.protocol.ports import free_port
 from teamrl.protocol.zmq_transport import RpcClient, ZmqDataSender
 
 FAST_HB = {"heartbeat_ivl_ms": 200, "heartbeat_timeout_ms": 1000}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Buffer:

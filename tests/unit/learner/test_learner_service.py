@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from teamrl.protocol import ports
 from teamrl.protocol.codec import encode_trajectories
 from teamrl.protocol.errors import PeerTimeout
 from teamrl.protocol.trajectory import AgentStep, GraphTrajectory
@@ -33,18 +33,7 @@ DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 
 
 def free_port(pair: bool = False) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if not pair:
-            return p
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
+    return ports.free_port(2 if pair else 1)
 
 
 def groups(n_groups: int, size: int, start: int, rng: np.random.Generator) -> list[GraphTrajectory]:

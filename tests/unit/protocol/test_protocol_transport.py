@@ -3,7 +3,6 @@ de-duplication, CURVE allow-list, RPC with timeouts, weights announcements with 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -23,6 +22,7 @@ from teamrl.protocol.control import (
 )
 from teamrl.protocol.errors import PeerTimeout
 from teamrl.protocol.metrics import rejected_count
+from teamrl.protocol.ports import free_port
 from teamrl.protocol.transport import CurveKeys
 from teamrl.protocol.zmq_transport import (
     RpcClient,
@@ -34,12 +34,6 @@ from teamrl.protocol.zmq_transport import (
 )
 
 FAST_HB = {"heartbeat_ivl_ms": 200, "heartbeat_timeout_ms": 1000}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_backpressure_blocks_the_fast_producer():

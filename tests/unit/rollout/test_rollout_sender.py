@@ -3,18 +3,12 @@ exit that counts what was left when it is not."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
+from teamrl.protocol.ports import free_port
 from teamrl.protocol.zmq_transport import ZmqDataReceiver
 from teamrl.rollout.sender import Sender as _Sender
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_exit_with_a_backlog_and_no_buffer_is_bounded_and_counts_every_frame() -> None:

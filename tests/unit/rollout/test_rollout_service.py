@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from teamrl.protocol import ports
 from teamrl.protocol.adapters import adapters_sha256, write_adapter_payload
 from teamrl.protocol.codec import decode_trajectories
 from teamrl.protocol.control import InlineWeights, Probe, UriWeights, WeightsPublished
@@ -37,18 +37,7 @@ GROUP = 2
 
 
 def free_port(pair: bool = False) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if not pair:
-            return p
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
+    return ports.free_port(2 if pair else 1)
 
 
 def make_adapters(model_dir: Path, out: Path) -> tuple[dict[str, Path], list[float]]:

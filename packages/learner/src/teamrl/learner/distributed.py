@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,11 +16,7 @@ from typing import Any
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from teamrl.protocol.ports import free_port
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -39,7 +34,7 @@ def init_distributed(device: str = "cpu") -> tuple[int, int]:
     if "WORLD_SIZE" not in os.environ:
         lent = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     # the GPU index on this host, not the global rank: a one-GPU pod of rank 1 has only cuda:0
     os.environ.setdefault("LOCAL_RANK", "0")
     if os.environ.get("MASTER_ADDR", "").startswith(("127.", "localhost")):

@@ -79,6 +79,13 @@ class OutcomeReward:
     one is the trajectory reward; acts of ``verifier_role`` get 1 for a correct verdict (``accept`` /
     ``reject`` regexes on their text) on the answer they read; every other act gets the trajectory
     reward (team credit).
+
+    ``balance_verdicts``: a correct verdict on an answer of class c (right or wrong) scores
+    ``1 / (2 p_c)`` instead of 1, where ``p_c`` is the share of class c among the answers this reward's
+    verifier acts have read (a running estimate over about ``verdict_window`` acts, starting at one of
+    each). The expected verdict reward is then the verifier's balanced accuracy: 0.5 for any verdict
+    that ignores the answer (always accept, always reject, a coin), 1 for a perfect one. Without it a
+    verifier of a team that is mostly wrong learns to reject everything (docs/real-model.md).
     """
 
     def __init__(
@@ -91,6 +98,8 @@ class OutcomeReward:
         reject: str = r"(?i)verdict:\s*(?:wrong|incorrect)",
         pass_threshold: float = 1.0,
         answer_agent: str = "",
+        balance_verdicts: bool = False,
+        verdict_window: float = 256.0,
     ) -> None:
         self.scorer = (
             reward if isinstance(reward, Reward) else get_reward(reward, **dict(reward_kwargs or {}))
@@ -100,6 +109,11 @@ class OutcomeReward:
         self.verifier_role = verifier_role
         self.accept, self.reject = re.compile(accept), re.compile(reject)
         self.pass_threshold = pass_threshold
+        if verdict_window < 1:
+            raise ValueError(f"verdict_window must be >= 1, got {verdict_window}")
+        self.balance_verdicts = balance_verdicts
+        self.verdict_window = float(verdict_window)
+        self.answers_seen = {True: 1.0, False: 1.0}  # decayed counts of right / wrong answers read
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
         """An answering act's score: ``reward`` on the completion."""
@@ -115,7 +129,15 @@ class OutcomeReward:
         read = [p for p in a.parents if p in own]
         ok = own[read[-1]] >= self.pass_threshold if read else False
         verdict = self.verdict(a.text)
-        return 1.0 if verdict is not None and verdict == ok else 0.0
+        score = 1.0 if verdict is not None and verdict == ok else 0.0
+        if not self.balance_verdicts:
+            return score
+        seen = self.answers_seen
+        keep = 1.0 - 1.0 / self.verdict_window
+        seen[True], seen[False] = seen[True] * keep, seen[False] * keep
+        seen[ok] += 1.0
+        share = seen[ok] / (seen[True] + seen[False])
+        return score / (2.0 * share)
 
     def _answers(self, a: ActView) -> bool:
         return a.agent_id == self.answer_agent if self.answer_agent else a.role == self.answer_role

@@ -1,0 +1,46 @@
+"""``outcome``'s ``balance_verdicts``: the verifier's expected reward is its balanced accuracy, so a
+verdict that ignores the answer cannot win on a team that is mostly wrong (docs/real-model.md: unbalanced,
+SmolLM2's verifier learned to reject everything)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from teamrl.rewards.base import ActView, get_reward
+
+
+def _episode(answer: str, verdict: str) -> list[ActView]:
+    solver = ActView(0, "solver", "solver", "solver", 0, answer, answer, [], [0])
+    verifier = ActView(1, "verifier", "verifier", "verifier", 0, verdict, verdict, [0], [1])
+    return [solver, verifier]
+
+
+def _mean_verdict_reward(policy: str, balance: bool, p_right: float = 0.16, n: int = 4000) -> float:
+    reward = get_reward("outcome", reward="math", verifier_role="verifier", balance_verdicts=balance)
+    rng = random.Random(0)
+    total = 0.0
+    for _ in range(n):
+        right = rng.random() < p_right
+        answer = "Answer: 7" if right else "Answer: 9"
+        accept = {"accept": True, "reject": False, "coin": rng.random() < 0.5, "perfect": right}[policy]
+        verdict = "VERDICT: correct" if accept else "VERDICT: wrong"
+        total += reward.episode({"answer": "7"}, _episode(answer, verdict)).acts[1]
+    return total / n
+
+
+@pytest.mark.parametrize("policy", ["accept", "reject", "coin"])
+def test_an_uninformed_verdict_earns_one_half(policy: str) -> None:
+    assert _mean_verdict_reward(policy, balance=True) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_perfect_verifier_earns_one_and_beats_rejecting_everything() -> None:
+    assert _mean_verdict_reward("perfect", balance=True) == pytest.approx(1.0, abs=0.05)
+    # unbalanced, rejecting everything earns the wrong answers' share: close to a perfect verifier
+    assert _mean_verdict_reward("reject", balance=False) == pytest.approx(0.84, abs=0.03)
+
+
+def test_the_window_must_hold_one_act() -> None:
+    with pytest.raises(ValueError, match="verdict_window"):
+        get_reward("outcome", reward="math", verifier_role="verifier", verdict_window=0.5)
