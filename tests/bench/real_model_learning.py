@@ -12,7 +12,7 @@ has one, and each run's wall time and training reward per step. Writes ``summary
     python tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/two15.jsonl
     python tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-duo-two-number.toml \\
         --tasks runs/two15.jsonl [--seeds 1,2,3] [--steps 28] [--lr 5e-4] [--set learner.dtype=bfloat16] \\
-        [--out docs/results/real-model/duo-bf16]
+        [--max-minutes 30] [--out docs/results/real-model/duo-bf16]
 
 docs/real-model.md ("Three seeds inside the window" and "28 steps in 30 minutes") gives the figures and the
 time: a seed is about 20 minutes at 12 float32 steps, about 34 at 28 bfloat16-learner steps (30 of them
@@ -38,12 +38,12 @@ CLI = [sys.executable, "-m", "teamrl.cli.main"]
 def train(args: argparse.Namespace, seed: int, run_dir: Path) -> float:
     """One ``teamrl run``; its wall seconds. A finished run (its last adapter version there) is kept:
     the bench resumes where it stopped."""
-    if (run_dir / "adapters" / f"v{args.steps}").is_dir():
+    if (run_dir / "bench_wall.json").is_file():
         return float(json.loads((run_dir / "bench_wall.json").read_text())["seconds"])
     cmd = [*CLI, "run", "--workflow", args.workflow, "--model", args.model, "--run-dir", str(run_dir)]
     cmd += ["--steps", str(args.steps), "--tasks-per-step", str(args.tasks_per_step)]
     cmd += ["--group-size", str(args.group_size), "--lr", str(args.lr), "--seed", str(seed)]
-    cmd += ["--eval-interval", "0", "--max-lag", str(args.max_lag)]
+    cmd += ["--eval-interval", "0", "--max-lag", str(args.max_lag), "--max-minutes", str(args.max_minutes)]
     cmd += ["--tasks", args.tasks] if args.tasks else []
     cmd += [x for kv in args.set for x in ("--set", kv)]
     print("training:", " ".join(cmd), flush=True)
@@ -121,7 +121,7 @@ def plot(summary: dict[str, Any], key: str, dest: Path) -> None:
     for run, b, e in zip(summary["runs"], row["base"], row["end"], strict=True):
         right.plot([0, 1], [b, e], "o-", alpha=0.6, label=f"seed {run['seed']}")
     right.plot([0, 1], [row["base_mean"], row["end_mean"]], "ks-", lw=2, label="mean")
-    right.set_xticks([0, 1], ["v0 (base)", f"v{summary['steps']}"])
+    right.set_xticks([0, 1], ["v0 (base)", "end"])
     right.set_ylabel(f"held-out {key}")
     right.set_title(f"gain {row['gain_mean']:+.3f} ± {row['gain_ci95']:.3f} (95 %)", fontsize=10)
     right.grid(alpha=0.3)
@@ -138,6 +138,12 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="teamrl run's time budget (the run ends after --steps or this, whichever comes first)",
+    )
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -163,9 +169,11 @@ def main() -> None:
         run_dir = Path(args.runs) / f"seed{seed}"
         wall = train(args, seed, run_dir)
         base.append(evaluate(args, seed, None, run_dir / "bench_eval_v0.json"))
-        last = run_dir / "adapters" / f"v{args.steps}"
-        end.append(evaluate(args, seed, last, run_dir / f"bench_eval_v{args.steps}.json"))
-        per_seed.append({"seed": seed, "wall_s": round(wall), "step_reward": step_rewards(run_dir)})
+        v = int(read(run_dir / "metrics.jsonl")[-1]["version"])  # --steps, or fewer in --max-minutes
+        end.append(evaluate(args, seed, run_dir / "adapters" / f"v{v}", run_dir / f"bench_eval_v{v}.json"))
+        per_seed.append(
+            {"seed": seed, "wall_s": round(wall), "version": v, "step_reward": step_rewards(run_dir)}
+        )
         print(
             f"seed {seed}: {wall:.0f} s; v0 {json.dumps(base[-1])}\n  end {json.dumps(end[-1])}", flush=True
         )

@@ -222,6 +222,7 @@ def resolved_config(
             "algorithm": args.algorithm,
             "update_order": args.update_order,
             "max_steps": args.steps,
+            "max_seconds": 60.0 * getattr(args, "max_minutes", 0.0),
             "min_policy_version_lag": args.max_lag,
             "logprob_tolerance": None,
             "checkpoint_interval": args.checkpoint_interval,

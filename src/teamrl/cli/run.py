@@ -65,13 +65,27 @@ def _loggers(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _float(text)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -138,6 +152,15 @@ def _add_what_to_train(p: argparse.ArgumentParser, workflow: str | None, run_dir
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     """The training recipe: steps, batch shape, optimiser, algorithm, evaluations, seed, reward scales."""
     p.add_argument("--steps", type=_at_least(1), default=60, help="learner steps (default 60)")
+    p.add_argument(
+        "--max-minutes",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="M",
+        help="time budget: the first learner step that ends M minutes after the run began is the last "
+        "(its version is final and evaluated, as after --steps; a resumed run counts from its first "
+        "start); 0 (default): --steps alone",
+    )
     p.add_argument(
         "--tasks-per-step", type=_at_least(1), default=16, help="groups (tasks) per step (default 16)"
     )

@@ -375,9 +375,11 @@ def watch_run(
                 return watch
             if not restart_or_give_up(sup, watch):
                 return watch
-            # done: every group's steps written (a finished learner lingers, serving its final version
-            # until the last evaluation), or every learner exited
-            learners_done = all(r and r[-1]["step"] + 1 >= args.steps for r in rows.values())
+            # done: every group's steps written or its time budget spent (a finished learner lingers,
+            # serving its final version until the last evaluation), or every learner exited
+            learners_done = all(
+                r and (r[-1]["step"] + 1 >= args.steps or r[-1].get("final")) for r in rows.values()
+            )
             learners_done |= all(not s.alive for s in sup.services if s.name.startswith("learner"))
             if learners_done:
                 finals = {g: r[-1]["version"] if r else 0 for g, r in rows.items()}

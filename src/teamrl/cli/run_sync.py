@@ -113,14 +113,16 @@ class SyncRun:
         await self.publish(0)
         first = last = await self.evaluate(0, 0)
         args = self.args
+        budget = 60.0 * getattr(args, "max_minutes", 0.0)  # --max-minutes: 0 is none
         for step in range(args.steps):
             await self.step(step)
-            if self.lag and step + 1 == args.steps:  # the final evaluation is of the trained adapters
+            final = step + 1 == args.steps or (budget > 0 and time.time() - self.t_begin >= budget)
+            if self.lag and final:  # the final evaluation is of the trained adapters
                 await self.publish(self.version)
-            if args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-                last = await self.evaluate(
-                    step + 1, self.version if step + 1 == args.steps else self.eng.version
-                )
+            if args.eval_interval and ((step + 1) % args.eval_interval == 0 or final):
+                last = await self.evaluate(step + 1, self.version if final else self.eng.version)
+            if final:
+                break
         await self.finish()
         print(f"[teamrl] done in {time.time() - self.t_begin:.0f} s: {summary(first, last)}", flush=True)
         return 0

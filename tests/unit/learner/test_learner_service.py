@@ -149,6 +149,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
     sub = WeightsSubscriber(f"tcp://127.0.0.1:{pub}", latest_endpoint_for(f"tcp://127.0.0.1:{pub}"))
     rng = np.random.default_rng(0)
     seen: list[int] = []
+    finals: list[bool] = []
     learner = None
     try:
         for i in range(0, 4):
@@ -180,6 +181,7 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
                 assert hashlib.sha256(payload).hexdigest() == msg.sha256
                 assert len(msg.probe.expected_logprobs) == len(msg.probe.completion_ids)
                 seen.append(msg.version)
+                finals.append(msg.final)
             return seen and seen[-1] >= upto
 
         wait_for(lambda: announced(2), 240, "versions 1 and 2", logs, learner)
@@ -196,21 +198,25 @@ def test_learner_service_trains_publishes_and_resumes_after_kill(tmp_path: Path)
         for i in range(4, 6):  # one more batch: the restarted learner makes step 2, then waits
             sender.send(encode_trajectories(groups(1, 4, i, rng)))
         assert sender.flush(30)
+        # with a time budget (--max-minutes) that ran out before it started: its first step is its last
         learner = subprocess.Popen(
-            [*learner_argv, "--set", "max_steps=100"],
+            [*learner_argv, "--set", "max_steps=100", "--set", "max_seconds=1", "--set", "linger_s=60"],
             stdout=open(logs / "learner-2.log", "wb"),
             stderr=subprocess.STDOUT,
-            env=env,
+            env=env | {"TEAMRL_RUN_T0": str(time.time() - 60)},
         )
         # announcements are read while the learner lives, as a rollout would (gaps healed via latest)
         wait_for(lambda: announced(3), 240, "version 3 after the restart", logs, learner)
-        learner.send_signal(signal.SIGTERM)  # waiting for data: checkpoint and exit 0
+        assert finals[seen.index(3)], "the version made after the time budget ran out is not final"
+        assert not any(finals[: seen.index(3)])
+        learner.send_signal(signal.SIGTERM)  # serving its final version: checkpoint and exit 0
         assert learner.wait(60) == 0, (logs / "learner-2.log").read_text()[-3000:]
         log2 = (logs / "learner-2.log").read_text()
         assert "resumed from" in log2 and "step 2, version 2" in log2
         assert re.search(r"step 2 v\d+ reward", log2), "no per-step line without --tensorboard"
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        assert rows[-1]["step"] == 2 and rows[-1]["version"] == 3
+        assert rows[-1]["step"] == 2 and rows[-1]["version"] == 3 and rows[-1]["final"] == 1
+        assert "final" not in rows[0] and "done: serving v3" in log2
         assert seen == sorted(seen), f"versions went backwards: {seen}"
         assert (run / "checkpoints" / "step-000003" / "DONE").is_file()
     finally:

@@ -222,6 +222,12 @@ class LearnerConfig(_Strict):
 
     # --- bookkeeping -------------------------------------------------------------------------
     max_steps: int = Field(1000, ge=1, description="stop after this many steps (0-based step < max_steps)")
+    max_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="time budget: the first step that ends this many seconds after the run began "
+        "(TEAMRL_RUN_T0, kept across resumes) is the last, its version published as final; 0: none",
+    )
     publish_interval: int = Field(1, ge=1, description="publish adapters every k steps")
     checkpoint_interval: int = Field(10, ge=1, description="checkpoint every k steps")
     train_weights: bool = Field(

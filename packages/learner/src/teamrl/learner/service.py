@@ -138,6 +138,7 @@ class LearnerService:
         self.step = 0
         self.version = 0
         self.stop_reason: str | None = None
+        self.out_of_time = False  # the time budget (max_seconds) ran out: the last step was the final one
         self._request_id = 0
         self._rank0_extras(tensorboard)
         self.checkpoints = RunCheckpoints(
@@ -245,7 +246,21 @@ class LearnerService:
         first, so no rollout can send data of a version the buffer has not heard of."""
         assert self.publisher is not None
         self.announce()
-        return self.publisher.publish(self.version, final=self.step >= self.cfg.max_steps)
+        return self.publisher.publish(self.version, final=self.finished)
+
+    @property
+    def finished(self) -> bool:
+        """The steps or the time budget are spent: the latest version is the final one."""
+        return self.step >= self.cfg.max_steps or self.out_of_time
+
+    def _budget_spent(self, t_begin: float) -> bool:
+        """Whether the time budget ran out, agreed by every rank (rank 0's clock is not theirs)."""
+        if self.cfg.max_seconds <= 0:
+            return False
+        from teamrl.learner.distributed import _all_reduce_max
+
+        over = int(time.time() - t_begin >= self.cfg.max_seconds)
+        return bool(_all_reduce_max([over])[0])
 
     def announce(self) -> None:
         """Tell the buffer this base's version (``publish.announce_version``)."""
@@ -275,7 +290,7 @@ class LearnerService:
             if latest is not None and latest.version > 0:
                 self.publisher.publish_profiles(latest)  # served on the latest endpoint too
         try:
-            while self.step < self.cfg.max_steps and self.stop_reason is None:
+            while not self.finished and self.stop_reason is None:
                 try:
                     row = self.one_step(t_begin)
                 except _Stopping:
@@ -297,7 +312,7 @@ class LearnerService:
                     )
                 if self.step % self.cfg.checkpoint_interval == 0:
                     self.checkpoint()
-            if self.step >= self.cfg.max_steps and self.publisher is not None:
+            if self.finished and self.publisher is not None:
                 self.linger()
         finally:
             if self.step > 0 and not self.checkpoints.is_complete(self.step):
@@ -329,10 +344,11 @@ class LearnerService:
         own = steps.versions_of(self.cfg.group_agents or None)  # a group: its base's versions only
         observe_lags(own, self.version)
         self.step += 1
+        self.out_of_time = self._budget_spent(t_begin)
         self.timeline.enter("profile")
         profile_row = self._profile_round(trajectories)
         pub: dict[str, float] = {}
-        if self.cfg.train_weights and self.step % self.cfg.publish_interval == 0:
+        if self.cfg.train_weights and (self.step % self.cfg.publish_interval == 0 or self.finished):
             self.version += 1
             if self.publisher is not None:
                 pub = self.publish()
@@ -348,6 +364,7 @@ class LearnerService:
             **pub,
             **profile_row,
             **{k: v for k, v in metrics_of_step.items() if isinstance(v, (int, float))},
+            **({"final": 1} if self.finished else {}),  # the launcher's end, by steps or by time
         }
 
     def _sample_and_train(self) -> tuple[list[Any], float, dict[str, Any]]:
