@@ -227,6 +227,12 @@ def test_run_config_file_sets_flags_and_service_tables(tmp_path: Path) -> None:
     assert lrn["kl_coef"] == 0.01 and lrn["lora"]["alpha"] == 32.0 and lrn["lora"]["target_modules"]
     assert lrn["max_steps"] == 9 and p.config["rollout"]["eval_tasks"] == 5
     assert lrn["probe_prompt"] == p.team.probe_prompt
+    assert lrn["max_seconds"] == 0.0  # no --max-minutes: --steps alone
+    timed = plan(parse_args(["--config", str(cfg), "--max-minutes", "1.5"], "teamrl run", None, "r"))
+    assert timed.config["learner"]["max_seconds"] == 90.0
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            parse_args(["--config", str(cfg), "--max-minutes", bad], "teamrl run", None, "r")
 
 
 def test_each_adapter_gets_its_agents_temperature_and_the_workflows_optimiser_settings(
