@@ -191,6 +191,12 @@ def learner_ranks(value: Any, groups: list[str]) -> dict[str, int]:
     return {g: per.get(g, every) for g in groups}
 
 
+def stop_rule(args: argparse.Namespace) -> dict[str, float]:
+    """The learner's end: ``--steps``, and ``--max-minutes`` as ``max_seconds`` when given."""
+    minutes = getattr(args, "max_minutes", 0.0)
+    return {"max_steps": args.steps, **({"max_seconds": 60.0 * minutes} if minutes else {})}
+
+
 def resolved_config(
     args: argparse.Namespace, team: Any, model: str, ranks: int = 1
 ) -> dict[str, dict[str, Any]]:
@@ -221,8 +227,7 @@ def resolved_config(
             "clip_high": 0.28,
             "algorithm": args.algorithm,
             "update_order": args.update_order,
-            "max_steps": args.steps,
-            "max_seconds": 60.0 * getattr(args, "max_minutes", 0.0),
+            **stop_rule(args),
             "min_policy_version_lag": args.max_lag,
             "logprob_tolerance": None,
             "checkpoint_interval": args.checkpoint_interval,

@@ -227,7 +227,7 @@ def test_run_config_file_sets_flags_and_service_tables(tmp_path: Path) -> None:
     assert lrn["kl_coef"] == 0.01 and lrn["lora"]["alpha"] == 32.0 and lrn["lora"]["target_modules"]
     assert lrn["max_steps"] == 9 and p.config["rollout"]["eval_tasks"] == 5
     assert lrn["probe_prompt"] == p.team.probe_prompt
-    assert lrn["max_seconds"] == 0.0  # no --max-minutes: --steps alone
+    assert "max_seconds" not in lrn  # no --max-minutes: --steps alone (the learner's default, 0)
     timed = plan(parse_args(["--config", str(cfg), "--max-minutes", "1.5"], "teamrl run", None, "r"))
     assert timed.config["learner"]["max_seconds"] == 90.0
     for bad in ("-1", "nan", "soon"):

@@ -253,15 +253,6 @@ class LearnerService:
         """The steps or the time budget are spent: the latest version is the final one."""
         return self.step >= self.cfg.max_steps or self.out_of_time
 
-    def _budget_spent(self, t_begin: float) -> bool:
-        """Whether the time budget ran out, agreed by every rank (rank 0's clock is not theirs)."""
-        if self.cfg.max_seconds <= 0:
-            return False
-        from teamrl.learner.distributed import _all_reduce_max
-
-        over = int(time.time() - t_begin >= self.cfg.max_seconds)
-        return bool(_all_reduce_max([over])[0])
-
     def announce(self) -> None:
         """Tell the buffer this base's version (``publish.announce_version``)."""
         announce_version(self.rpc, self.cfg.group or None, list(self.cfg.group_agents), self.version)
@@ -344,7 +335,7 @@ class LearnerService:
         own = steps.versions_of(self.cfg.group_agents or None)  # a group: its base's versions only
         observe_lags(own, self.version)
         self.step += 1
-        self.out_of_time = self._budget_spent(t_begin)
+        self.out_of_time = budget_spent(self.cfg.max_seconds, t_begin)
         self.timeline.enter("profile")
         profile_row = self._profile_round(trajectories)
         pub: dict[str, float] = {}
@@ -406,6 +397,17 @@ class LearnerService:
         self.rpc.close()
         if self.publisher is not None:
             self.publisher.close()
+
+
+def budget_spent(max_seconds: float, t_begin: float) -> bool:
+    """Whether the time budget (``max_seconds`` since ``t_begin``; 0: none) ran out, agreed by every
+    rank (rank 0's clock is not theirs)."""
+    if max_seconds <= 0:
+        return False
+    from teamrl.learner.distributed import _all_reduce_max
+
+    over = int(time.time() - t_begin >= max_seconds)
+    return bool(_all_reduce_max([over])[0])
 
 
 class _Stopping(Exception):
