@@ -51,6 +51,21 @@ def test_run_two_steps_writes_metrics_eval_adapters_and_plots(tmp_path: Path) ->
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward_steps.png", "grad_norm.png"}
 
 
+def test_a_spent_time_budget_makes_the_first_step_the_last(tmp_path: Path) -> None:
+    """``--max-minutes`` in sync mode: the budget (0.6 s) is spent by the first step, so that step is the
+    last of 5, and it is evaluated as a final step is (docs/running.md "A time budget")."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", "addition-duo", "--mode", "sync"]
+    cmd += ["--run-dir", str(run), "--steps", "5", "--max-minutes", "0.01", "--tasks-per-step", "2"]
+    cmd += ["--group-size", "2", "--eval-interval", "5", "--eval-tasks", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["version"]) for r in rows] == [(0, 1)]
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1]
+
+
 def test_run_help_is_fast_and_documents_flags() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "teamrl.cli.main", "run", "--help"], capture_output=True, text=True, timeout=60

@@ -229,7 +229,6 @@ def resolved_config(
             "update_order": args.update_order,
             **stop_rule(args),
             "min_policy_version_lag": args.max_lag,
-            "logprob_tolerance": None,
             "checkpoint_interval": args.checkpoint_interval,
             "publish_mode": "inline",
             "linger_s": 600.0,  # the launcher stops it once the final version is evaluated

@@ -106,6 +106,8 @@ class SyncRun:
         self.trackers = start_trackers(getattr(args, "logger", []), self.run_dir, plan.config)
 
     async def run(self) -> int:
+        from teamrl.learner.service import budget_spent
+
         await self.eng.start()
         self.tl.enter("loop")
         print(f"[teamrl] vLLM engine up after {time.time() - self.t_begin:.0f} s", flush=True)
@@ -113,10 +115,10 @@ class SyncRun:
         await self.publish(0)
         first = last = await self.evaluate(0, 0)
         args = self.args
-        budget = 60.0 * getattr(args, "max_minutes", 0.0)  # --max-minutes: 0 is none
         for step in range(args.steps):
             await self.step(step)
-            final = step + 1 == args.steps or (budget > 0 and time.time() - self.t_begin >= budget)
+            # --max-minutes: the step that passes the budget is the last (as the async learner's)
+            final = step + 1 == args.steps or budget_spent(self.lcfg.max_seconds, self.t_begin)
             if self.lag and final:  # the final evaluation is of the trained adapters
                 await self.publish(self.version)
             if args.eval_interval and ((step + 1) % args.eval_interval == 0 or final):

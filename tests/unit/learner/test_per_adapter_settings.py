@@ -24,7 +24,7 @@ def enc(text: str) -> list[int]:
     return [1] + [2 + CHARS.index(c) for c in text]
 
 
-def _engine():
+def _engine(**kw):
     from teamrl.learner.engine import AdapterSettings, LearnerEngine, init_distributed
     from teamrl.learner.modelbuild import build
 
@@ -43,6 +43,7 @@ def _engine():
         weight_decay=0.0,
         seed=0,
         dtype="auto",  # float32 on CPU (bfloat16 on a GPU)
+        **kw,
     )
 
 
@@ -115,6 +116,15 @@ def test_behaviour_log_probs_at_the_wrong_temperature_are_refused() -> None:
     eng = _engine()
     with pytest.raises(LogprobMismatch, match="temperature"):
         eng.train_step(_trajectories(eng, behaviour_at_t1=True), step=0, current_version=0, fresh_version=0)
+
+
+def test_a_gap_over_too_few_fresh_tokens_is_reported_not_judged() -> None:
+    """A step whose fresh rows hold fewer than ``logprob_min_tokens`` tokens reports its gap and trains:
+    the mean of a couple of tokens is noise (docs/real-model.md: 2 tokens at 0.064 stopped a run)."""
+    eng = _engine(logprob_min_tokens=10_000)
+    trajs = _trajectories(eng, behaviour_at_t1=True)
+    m = eng.train_step(trajs, step=0, current_version=0, fresh_version=0).metrics
+    assert 0 < m["logprob_gap_tokens"] < 10_000 and m["logprob_gap"] > 1e-3
 
 
 def test_config_resolves_each_adapter_from_its_override_else_the_learner_value() -> None:

@@ -246,6 +246,38 @@ def test_weights_gap_is_healed_from_latest_endpoint():
     pub.close()
 
 
+def test_a_restarted_publisher_is_followed_from_its_first_newer_version():
+    """A learner that restarts counts ``announce_seq`` from 0 again: its announcements must not be
+    taken for replays of the old process's (they were, and each new version then waited for the
+    rollout's latest-endpoint poll); the restart is counted once (the rollout's version budget
+    refills on it). The new PUB's first announcements are lost while SUB reconnects."""
+    from teamrl.protocol.ports import free_port
+
+    pub_ep, latest_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub = WeightsPublisher(pub_ep, latest_ep)
+    sub = WeightsSubscriber(pub_ep, latest_ep)
+    time.sleep(0.3)  # SUB joins
+    for v in (1, 2, 3):
+        pub.publish(_weights(v))
+    got = [sub.poll(2000) for _ in range(3)]
+    assert [m.version for m in got] == [1, 2, 3] and sub.publisher_restarts == 0
+    pub.close()
+    pub = WeightsPublisher(pub_ep, latest_ep)  # the restarted learner, resumed at v3
+    pub.publish(_weights(3))  # its re-announcement of the version it resumed: nothing new
+    version, got = 3, None
+    while got is None and version < 40:
+        version += 1
+        pub.publish(_weights(version))
+        got = sub.poll(300)
+    assert got is not None and got.version == version and sub.publisher_restarts == 1
+    assert sub.accept(got) is None  # the same announcement again is a replay
+    pub.publish(_weights(version + 1))
+    got = sub.poll(2000)
+    assert got.version == version + 1 and sub.publisher_restarts == 1
+    sub.close()
+    pub.close()
+
+
 def _profiles(version: int) -> ProfilesPublished:
     from teamrl.rewards.profiles import profiles_sha256
 

@@ -44,3 +44,17 @@ def test_a_perfect_verifier_earns_one_and_beats_rejecting_everything() -> None:
 def test_the_window_must_hold_one_act() -> None:
     with pytest.raises(ValueError, match="verdict_window"):
         get_reward("outcome", reward="math", verifier_role="verifier", verdict_window=0.5)
+
+
+def test_episodes_scored_on_several_threads_lose_no_count() -> None:
+    """The rollout scores episodes on worker threads: every verifier act enters the running shares once.
+    Whatever the order, the decayed total after n acts from 2 is 2 k^n + (1 - k^n) / (1 - k)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reward = get_reward("outcome", reward="math", verifier_role="verifier", balance_verdicts=True)
+    acts = [_episode("Answer: 7" if i % 3 else "Answer: 9", "VERDICT: correct") for i in range(4000)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda ep: reward.episode({"answer": "7"}, ep), acts))
+    k = 1.0 - 1.0 / reward.verdict_window
+    total = reward.answers_seen[True] + reward.answers_seen[False]
+    assert total == pytest.approx(2 * k**4000 + (1 - k**4000) / (1 - k), rel=1e-9)

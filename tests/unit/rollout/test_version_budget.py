@@ -36,3 +36,15 @@ def test_with_a_refill_production_follows_consumption() -> None:
     assert [several.take((0, 0)) for _ in range(5)] == [True] * 4 + [False]
     assert [several.take((1, 2)) for _ in range(3)] == [True] * 2 + [False]
     assert [several.take((1, 3)) for _ in range(2)] == [True, False]
+
+
+def test_a_learner_restart_refills_the_lead_its_lost_batch_held() -> None:
+    """A learner that dies loses the batch it was training on; the rollout, one step ahead before,
+    would be none ahead after, and the learner would wait for every step's data (docs/reliability.md
+    R-restart-lead). Each restart seen grants one refill, at most ``per_version`` ahead."""
+    budget = VersionBudget(4, refill=2)
+    assert [budget.take(0) for _ in range(5)] == [True] * 4 + [False]
+    assert [budget.take(1) for _ in range(3)] == [True, True, False]  # a step's worth, then wait
+    assert [budget.take(1, restarts=1) for _ in range(3)] == [True, True, False]  # the lost step's
+    assert budget.take(1, restarts=1) is False  # counted once
+    assert [budget.take(2, restarts=3) for _ in range(5)] == [True] * 4 + [False]  # capped at 4

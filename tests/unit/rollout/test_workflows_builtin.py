@@ -373,6 +373,8 @@ def test_task_sets_are_all_loadable() -> None:
         assert load_tasks(s), s
     with pytest.raises(WorkflowError, match=r"unknown task set 'x'"):
         load_tasks("x")
+    with pytest.raises(WorkflowError, match=r"no task set: .*--tasks FILE"):
+        load_tasks(None)
 
 
 def test_reward_scale_multiplies_training_rewards_but_not_evaluation() -> None:

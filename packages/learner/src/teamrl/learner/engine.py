@@ -324,7 +324,8 @@ class LearnerEngine:
         self, rows: StepRows, prox: Mapping[str, Tensor], fresh_version: int | None, step: int
     ) -> dict[str, float]:
         """Mean |π_prox − μ| on the fresh rows' tokens (π_prox = the weights that sampled them);
-        raises :class:`LogprobMismatch` over ``logprob_tolerance``."""
+        raises :class:`LogprobMismatch` over ``logprob_tolerance`` when it is a mean of at least
+        ``logprob_min_tokens`` tokens (a mean of a few is noise, not a misalignment)."""
         batch, gap_sum, gap_n = rows.batch, 0.0, 0
         for a in self.adapters:
             idx = rows.of_adapter[a]
@@ -336,8 +337,9 @@ class LearnerEngine:
             gap_sum += float(diff[mask].sum())
             gap_n += int(mask.sum())
         gap = gap_sum / gap_n if gap_n else math.nan
-        tolerance = self.settings.objective.logprob_tolerance
-        if tolerance is not None and gap_n and gap > tolerance:
+        objective = self.settings.objective
+        tolerance = objective.logprob_tolerance
+        if tolerance is not None and gap_n >= objective.logprob_min_tokens and gap > tolerance:
             raise LogprobMismatch(
                 f"step {step}: mean |recomputed - behaviour| log-prob on {gap_n} fresh tokens is "
                 f"{gap:.4f} > tolerance {tolerance} (padding / position ids / temperature "

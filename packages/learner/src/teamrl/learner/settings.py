@@ -109,6 +109,7 @@ class ObjectiveSettings:
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = config_default("loss_agg")
     action_logprob_norm: Literal["token", "sum"] = config_default("action_logprob_norm")
     logprob_tolerance: float | None = config_default("logprob_tolerance")
+    logprob_min_tokens: int = config_default("logprob_min_tokens")
 
     def __post_init__(self) -> None:
         if self.objective not in ("decoupled", "ppo", "ppo-behaviour", "ppo-critic"):

@@ -853,6 +853,7 @@ class WeightsSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, WeightsPublisher.PROFILES_TOPIC)
         self._sub.connect(pub_endpoint)
         self._rpc = RpcClient(latest_endpoint, timeout_ms=timeout_ms, curve=curve)
+        self.publisher_restarts = 0  # a newer version under an older sequence: a new publisher process
         self._last_seq: int | None = None
         self._last_version = -1
         self.gaps = 0
@@ -891,9 +892,14 @@ class WeightsSubscriber:
     def accept(self, msg: WeightsPublished) -> WeightsPublished | None:
         """Record ``msg`` as the newest announcement seen and return it; None when it is older than
         one already seen (a stale or replayed announcement). ``poll`` calls it for each announcement;
-        a caller that asked ``latest`` itself calls it so the next ``poll`` counts gaps from there."""
+        a caller that asked ``latest`` itself calls it so the next ``poll`` counts gaps from there.
+        A restarted publisher counts its sequence from 0 again: a newer version under a sequence
+        already seen is its announcement (one publisher's versions only go up with its sequence),
+        taken and counted in ``publisher_restarts``, and gaps are counted from its sequence on."""
         if self._last_seq is not None and msg.announce_seq <= self._last_seq:
-            return None
+            if msg.version <= self._last_version:
+                return None
+            self.publisher_restarts += 1
         self._last_seq = msg.announce_seq
         if msg.version < self._last_version:
             return None

@@ -10,6 +10,7 @@ one completion (``reward(completion, task)``) each scores it as it scores an ans
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,7 +86,9 @@ class OutcomeReward:
     verifier acts have read (a running estimate over about ``verdict_window`` acts, starting at one of
     each). The expected verdict reward is then the verifier's balanced accuracy: 0.5 for any verdict
     that ignores the answer (always accept, always reject, a coin), 1 for a perfect one. Without it a
-    verifier of a team that is mostly wrong learns to reject everything (docs/real-model.md).
+    verifier of a team that is mostly wrong learns to reject everything (docs/real-model.md). The
+    shares count every verifier act this object scores, held-out evaluation episodes of the same team
+    included; updates are serialised (episodes are scored on several threads at once).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class OutcomeReward:
         self.balance_verdicts = balance_verdicts
         self.verdict_window = float(verdict_window)
         self.answers_seen = {True: 1.0, False: 1.0}  # decayed counts of right / wrong answers read
+        self._seen_lock = threading.Lock()  # episodes are scored on worker threads, several at once
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
         """An answering act's score: ``reward`` on the completion."""
@@ -132,11 +136,11 @@ class OutcomeReward:
         score = 1.0 if verdict is not None and verdict == ok else 0.0
         if not self.balance_verdicts:
             return score
-        seen = self.answers_seen
-        keep = 1.0 - 1.0 / self.verdict_window
-        seen[True], seen[False] = seen[True] * keep, seen[False] * keep
-        seen[ok] += 1.0
-        share = seen[ok] / (seen[True] + seen[False])
+        seen, keep = self.answers_seen, 1.0 - 1.0 / self.verdict_window
+        with self._seen_lock:
+            seen[True], seen[False] = seen[True] * keep, seen[False] * keep
+            seen[ok] += 1.0
+            share = seen[ok] / (seen[True] + seen[False])
         return score / (2.0 * share)
 
     def _answers(self, a: ActView) -> bool:

@@ -105,6 +105,10 @@ class Bases(dict[str, Base]):
         """The lowest adapter version live over the bases that follow a learner (0: none yet)."""
         return min((b.engine.version for b in self.followed()), default=0)
 
+    def learner_restarts(self) -> int:
+        """Announcements from a new learner process seen, over every base's weights link."""
+        return sum(b.applier.learner_restarts for b in self.values() if b.applier is not None)
+
     def live_versions(self) -> tuple[int, ...]:
         """The adapter version live on each base (in order)."""
         return tuple(b.engine.version for b in self.values())

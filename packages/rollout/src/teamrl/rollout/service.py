@@ -67,17 +67,26 @@ class VersionBudget:
     drops as stale or evicts unread (measured: 45 % of the episodes of an async addition-duo run at
     max lag 2 when every version refilled the whole budget; docs/running.md). Slow, restarting or
     finished learners leave the rollout idle; any base's new version refills, so one learner group
-    that is down does not stop the others' data. ``refill = 0``: every new version refills the whole
-    budget. ``per_version = 0``: no limit."""
+    that is down does not stop the others' data. A learner that died lost the batch it was training
+    on, and with it one step of the rollout's lead: each restart seen (``restarts``, counted by the
+    weights links) grants one refill more, or the learner would wait for every step's data from then
+    on (measured: steps of 120-140 s instead of 45-70 s after one restart; docs/reliability.md
+    R-restart-lead).
+    ``refill = 0``: every new version refills the whole budget. ``per_version = 0``: no limit."""
 
     def __init__(self, per_version: int, refill: int = 0) -> None:
         self.per_version, self.refill = per_version, refill
         self.version: Any = None
         self.tokens = per_version  # groups that may start now
         self.refused = False  # the last take was refused: new groups wait for a new version
+        self.restarts = 0  # learner restarts already refilled for
 
-    def take(self, version: Any) -> bool:
-        """True (and counted) if one more group may start at ``version`` (the live versions)."""
+    def take(self, version: Any, restarts: int = 0) -> bool:
+        """True (and counted) if one more group may start at ``version`` (the live versions);
+        ``restarts``: learner restarts seen so far (each refills once)."""
+        if restarts > self.restarts:
+            grant = (restarts - self.restarts) * (self.refill or self.per_version)
+            self.tokens, self.restarts = min(self.per_version, self.tokens + grant), restarts
         if version != self.version:
             if self.version is not None:
                 grant = self.refill * _advanced(self.version, version) if self.refill else self.per_version
@@ -211,9 +220,9 @@ class RolloutService:
         """The lowest adapter version live over the bases that follow a learner (0: none yet)."""
         return self.bases.live_version()
 
-    def live_versions(self) -> tuple[int, ...]:
-        """The adapter version live on each base (in ``bases`` order)."""
-        return self.bases.live_versions()
+    def budget_view(self) -> tuple[tuple[int, ...], int]:
+        """What the version budget reads: the live versions and the learner restarts seen."""
+        return self.bases.live_versions(), self.bases.learner_restarts()
 
     # --- episodes -----------------------------------------------------------------------------
 
@@ -299,7 +308,7 @@ class RolloutService:
                 if self.cfg.max_groups and self.groups_done + len(inflight) >= self.cfg.max_groups:
                     if not inflight:
                         break
-                elif len(inflight) < self.cfg.groups_in_flight and budget.take(self.live_versions()):
+                elif len(inflight) < self.cfg.groups_in_flight and budget.take(*self.budget_view()):
                     if not order:
                         order = tasks[:]
                         rng.shuffle(order)

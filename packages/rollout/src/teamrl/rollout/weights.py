@@ -50,6 +50,7 @@ class WeightsApplier:
         self.profiles_seen = -1  # newest profile version applied or refused
         self.answered = False  # the learner's latest endpoint answered once (or had nothing yet)
         self.final = False  # the last announcement handled was the learner's final version
+        self.learner_restarts = 0  # announcements from a new learner process seen (the version budget's)
 
     async def follow(
         self,
@@ -92,6 +93,7 @@ class WeightsApplier:
                 if profiles is not None:
                     last_heard = time.monotonic()
                     self.apply_profiles(profiles)
+                self.learner_restarts = sub.publisher_restarts
                 if msg is not None:
                     last_heard = time.monotonic()
                     await self.apply_weights(msg)
@@ -113,6 +115,8 @@ class WeightsApplier:
         lp = await self._latest_profiles(sub) if self.profiles else None
         if lp is not None and lp.version > self.profiles_seen:
             self.apply_profiles(lp)
+        if newest is not None:
+            sub.accept(newest)  # the next poll counts gaps from it (a restarted learner's too)
         return newest if newest is not None and newest.version > self.engine.version else None
 
     @staticmethod

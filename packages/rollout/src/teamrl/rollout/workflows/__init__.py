@@ -167,6 +167,11 @@ def load_tasks(
         return load_task_file(humaneval_source()[0], "humaneval")
     if source == "search-qa":
         return load_task_file(data_path("search_qa.jsonl"), "nq")
+    if not source:
+        raise WorkflowError(
+            "no task set: the workflow's [tasks] names neither builtin nor path; give a task file "
+            f"(--tasks FILE.jsonl) or name a built-in set ({list(TASK_SETS)})"
+        )
     raise WorkflowError(f"unknown task set {source!r} (built in: {list(TASK_SETS)}; or give a path)")
 
 
