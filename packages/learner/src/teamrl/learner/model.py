@@ -25,6 +25,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,10 +34,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from teamrl.learner.cpu import bfloat16_warning
 from teamrl.learner.critic import ValueHead
 from teamrl.learner.errors import LearnerError
 from teamrl.learner.gradchecks import fuse_grad_checks
 from teamrl.learner.settings import EngineSettings, ModelSettings, OptimSettings
+
+log = logging.getLogger("teamrl.learner")
 
 __all__ = ["AdapterModel"]
 
@@ -59,6 +63,8 @@ class AdapterModel:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype: str = dtype
+        if dtype == "bfloat16" and self.device.type == "cpu" and (warning := bfloat16_warning()):
+            log.warning("%s", warning)
         torch.manual_seed(settings.optim.seed)  # LoRA A init: the same on every rank and every fresh start
         torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
