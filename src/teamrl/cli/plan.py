@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,19 @@ def plan(args: argparse.Namespace, *, build: bool = True) -> RunPlan:
     if lrn.get("profile_interval") and not lrn.get("profiles"):  # LangMARL rounds start from these
         lrn["profiles"] = team.workflow.profiles()
     validate(cfg)
+    _warn_emulated_bfloat16(cfg)
     return RunPlan(team, shown, cfg)
+
+
+def _warn_emulated_bfloat16(cfg: dict[str, dict[str, Any]]) -> None:
+    """A learner (or learner group) in bfloat16 on a CPU that emulates it: said on stderr before any
+    process starts (23x slower than float32 there; teamrl.learner.cpu). Not an error: on a GPU it is right."""
+    tables = [cfg.get("learner", {}), *(cfg.get("groups") or {}).values()]
+    if any(t.get("dtype") == "bfloat16" for t in tables):
+        from teamrl.learner.cpu import bfloat16_warning
+
+        if warning := bfloat16_warning():
+            print(f"teamrl: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def learner_ranks(value: Any, groups: list[str]) -> dict[str, int]:

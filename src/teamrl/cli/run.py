@@ -337,11 +337,6 @@ def main(
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     print(f"[teamrl] {run_plan.team.summary()}", flush=True)
-    if any(run_plan.learner_table(g).get("dtype") == "bfloat16" for g in run_plan.groups):
-        from teamrl.learner.cpu import bfloat16_warning
-
-        if warning := bfloat16_warning():
-            print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
     if args.mode == "sync" and len(run_plan.groups) > 1:
         print(
             f"{prog}: --mode sync trains one base model; this team has {len(run_plan.groups)} "

@@ -378,6 +378,24 @@ def test_a_bfloat16_learner_publishes_float32_probes_and_bfloat16_rollouts_need_
     assert both["probe_atol"] == 0.5 and "probe_dtype" not in both
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bfloat16_learner_on_a_cpu_that_emulates_it_is_warned_of_before_any_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], native: bool
+) -> None:
+    """On a CPU without AVX-512 BF16 or AMX, bfloat16 is emulated (measured 23x slower than float32):
+    the plan says so on stderr, and only there and then (teamrl.learner.cpu reads /proc/cpuinfo)."""
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+    from teamrl.learner import cpu
+
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda cpuinfo="": native)
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj"))
+    argv = ["--workflow", "addition-duo", "--model", str(model)]
+    for extra, warned in (([], False), (["--set", "learner.dtype=bfloat16"], not native)):
+        plan(parse_args(argv + extra, "teamrl run", None, str(tmp_path / "run")), build=False)
+        assert ("23x slower" in capsys.readouterr().err) == warned, extra
+
+
 def test_a_workflow_that_waits_on_the_world_keeps_two_steps_of_groups_in_flight(tmp_path: Path) -> None:
     """With a reward or tool latency, the plan keeps two steps' groups in flight per rollout (the
     waiting ones would otherwise hold every slot); without, one step's."""
