@@ -13,7 +13,7 @@ demo: setup
 	$(VENV)/bin/teamrl demo
 
 test: setup
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q --durations=20
 
 test-fast: setup
 	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q

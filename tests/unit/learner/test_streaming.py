@@ -3,7 +3,8 @@
 Two engines built alike (same seed, same embedded model) take one step on the same trajectories:
 one with ``train_step`` on the whole batch, one fed the batch in parts (as sample replies arrive),
 training the ready micro-batches between the parts. The adapters' parameters afterwards agree within
-1e-6 (the streamed gradients are scaled by 1/total after the fact instead of before: float rounding).
+1e-6 but for a few elements whose gradient nearly cancels (the streamed gradients are scaled by 1/total
+after the fact instead of before: float rounding, which AdamW's normalisation magnifies there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("embedded_model")]
 
 NAMES = ["solver-lora", "verifier-lora"]
 TOL = 1e-6
+LR = 1e-3
 
 
 def _engine():
@@ -24,7 +26,7 @@ def _engine():
 
     init_distributed("cpu")
     torch.manual_seed(0)
-    s = AdapterSettings(lr=1e-3, clip_low=0.2, clip_high=0.2, micro_batch_rows=3)
+    s = AdapterSettings(lr=LR, clip_low=0.2, clip_high=0.2, micro_batch_rows=3)
     return LearnerEngine.build(build(), NAMES, adapter_settings={n: s for n in NAMES}, seed=0)
 
 
@@ -99,8 +101,13 @@ def test_streamed_step_equals_whole_batch_step(singleton: bool) -> None:
     p_stream = _params(streamed)
     moved = [n for n in p_whole if not torch.equal(p_whole[n], before[n])]
     assert moved
-    gap = max(float((p_whole[n] - p_stream[n]).abs().max()) for n in p_whole)
-    assert gap <= TOL, gap
+    diff = torch.cat([(p_whole[n] - p_stream[n]).abs().flatten() for n in p_whole])
+    # AdamW's first step is about lr * g / (|g| + eps): where a gradient nearly cancels (|g| ~ eps) the
+    # kernels' summation order decides a visible part of it. Measured: every element within 1e-6 on an
+    # AVX-512 CPU; on an AVX2 CPU 26 of 28,672 over it, the largest 2.0e-5 (2 % of lr). A wrongly composed
+    # step moves most elements by about lr.
+    over = float((diff > TOL).float().mean())
+    assert over <= 0.005 and float(diff.max()) <= 0.05 * LR, (over, float(diff.max()))
     for key, value in res_whole.metrics.items():
         if key.startswith(("loss/", "grad_norm/", "clip_frac/")):
             assert res_stream.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key

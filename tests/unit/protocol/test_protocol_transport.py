@@ -246,13 +246,33 @@ def test_weights_gap_is_healed_from_latest_endpoint():
     pub.close()
 
 
+def test_a_gap_whose_latest_endpoint_does_not_answer_yields_the_announcement():
+    """A just-restarted learner may not answer its latest endpoint in time: the subscriber takes the
+    announcement it has (counted as a gap) instead of raising out of ``poll`` (a rollout's weights
+    loop would end there)."""
+    from teamrl.protocol.control import pack_message
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = WeightsSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}", timeout_ms=300)
+    try:
+        time.sleep(0.3)  # SUB joins
+        late = _weights(4).model_copy(update={"announce_seq": 5})  # seq 0-4 never seen: a gap
+        pub.send_multipart([WeightsPublisher.TOPIC, pack_message(late)])
+        got = sub.poll(3000)
+        assert got is not None and got.version == 4 and sub.gaps == 1
+    finally:
+        sub.close()
+        pub.close(0)
+        ctx.term()
+
+
 def test_a_restarted_publisher_is_followed_from_its_first_newer_version():
     """A learner that restarts counts ``announce_seq`` from 0 again: its announcements must not be
     taken for replays of the old process's (they were, and each new version then waited for the
     rollout's latest-endpoint poll); the restart is counted once (the rollout's version budget
     refills on it). The new PUB's first announcements are lost while SUB reconnects."""
-    from teamrl.protocol.ports import free_port
-
     pub_ep, latest_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     pub = WeightsPublisher(pub_ep, latest_ep)
     sub = WeightsSubscriber(pub_ep, latest_ep)

@@ -927,7 +927,10 @@ class WeightsSubscriber:
         if msg.announce_seq != expected:
             self.gaps += 1
             metrics.WEIGHT_ANNOUNCE_GAPS.inc()
-            newest = self.latest()
+            try:
+                newest = self.latest()
+            except PeerTimeout:  # a busy (just restarted) publisher: this one now, the latest later
+                newest = None
             if newest is not None and newest.announce_seq >= msg.announce_seq:
                 msg = newest
         return self.accept(msg)
