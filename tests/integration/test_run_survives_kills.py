@@ -3,7 +3,10 @@ SIGKILLed once, in turn, during one run, which still finishes every step.
 
 Checked: exit code 0; the launcher restarted each killed service once and said so; every learner
 step is in metrics.jsonl exactly once and versions never go backwards; the final version is
-evaluated. Not checked here: duplicate or lost trajectories across the buffer's restart (the buffer's
+evaluated. The learner is killed before its first checkpoint: it starts again from the initial
+adapters, and publishes them as a version above those it had published, which the rollout takes up
+(before, it announced versions the rollout dropped as old, and the run waited with no end:
+docs/reliability.md R-kill-learner). The other learner tests kill or stop it after a checkpoint. Not checked here: duplicate or lost trajectories across the buffer's restart (the buffer's
 own kill -9 tests cover its checkpoint and the producers' resend).
 """
 
@@ -56,7 +59,7 @@ def test_one_sigkill_of_each_service_in_turn_and_the_run_finishes(tmp_path: Path
     argv = [
         sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", "addition-duo",
         "--run-dir", str(run), "--steps", str(STEPS), "--tasks-per-step", "2", "--group-size", "4",
-        "--eval-interval", "3", "--eval-tasks", "8", "--checkpoint-interval", "1", "--max-lag", "8",
+        "--eval-interval", "3", "--eval-tasks", "8", "--checkpoint-interval", str(STEPS - 1), "--max-lag", "8",
     ]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = []
@@ -85,3 +88,4 @@ def test_one_sigkill_of_each_service_in_turn_and_the_run_finishes(tmp_path: Path
     assert versions == sorted(versions) and versions[-1] >= STEPS
     ev = rows(run / "eval.jsonl")
     assert ev[-1]["version"] == versions[-1], "the final version was not evaluated"
+    assert "no checkpoint, resumed from the initial adapters" in (run / "logs" / "learner-0.log").read_text()

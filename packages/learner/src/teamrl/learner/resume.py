@@ -4,8 +4,9 @@
 ``RUN/checkpoints/step-N``: every rank saves its engine state there (``LearnerEngine.save_checkpoint``,
 ``teamrl.learner.checkpoint``), then rank 0 writes ``state.json`` (step, version) and the ``DONE``
 marker, and only then does the folder count; older complete ones are pruned. A restarted learner
-resumes from the newest folder with a marker, and its version never goes backwards: versions
-published after that checkpoint (before a kill) are skipped, never issued again with other weights.
+resumes from the newest folder with a marker (or, killed before its first, from the initial
+adapters), and its version never goes backwards: versions published after that checkpoint (before a
+kill) are skipped, never issued again with other weights.
 docs/architecture.md §7 ("Learners") and docs/reliability.md R-kill-learner and R-torn describe the guarantees.
 """
 
@@ -48,33 +49,48 @@ class RunCheckpoints:
         return (self.folder(step) / DONE).exists()
 
     def resume(self, first_adapter: str) -> tuple[int, int] | None:
-        """Load the newest complete checkpoint; its (step, version), or None when there is none.
+        """Load the newest complete checkpoint; its (step, version), or None for a fresh run.
 
-        The version goes on from the highest ever exported (a folder ``adapters/vV`` holding
-        ``first_adapter``), so a version is never issued twice with different weights."""
+        Versions never go back and are never issued twice with different weights: when versions
+        were exported (a folder ``adapters/vV`` holding ``first_adapter``) after the checkpoint, or
+        with no checkpoint at all (a learner killed before its first), the weights it resumes with
+        become a new version above the highest exported. Rollouts drop announcements older than what
+        they hold, so a resumed learner that announced a lower version would never be taken up and
+        their version budget would never refill (docs/reliability.md R-kill-learner)."""
         ckpts = self.complete()
-        if not ckpts:
+        step, version = 0, 0
+        if ckpts:
+            last = ckpts[-1]
+            state = json.loads((last / "state.json").read_text())
+            self.engine.load_checkpoint(last)
+            step, version = int(state["step"]), int(state["version"])
+        exported = self.exported_versions(first_adapter)
+        if not ckpts and not exported:
             return None
-        last = ckpts[-1]
-        state = json.loads((last / "state.json").read_text())
-        self.engine.load_checkpoint(last)
-        step, version = int(state["step"]), int(state["version"])
-        published = [
+        highest = max([version, *exported])
+        if highest > version:  # versions after the checkpoint were lost with the process
+            log.warning(
+                "%s: step %d; version(s) %d..%d were published after it and are lost: "
+                "the weights resumed with are published as version %d",
+                f"resumed from {ckpts[-1]}" if ckpts else "no checkpoint, resumed from the initial adapters",
+                step,
+                version + 1,
+                highest,
+                highest + 1,
+            )
+            version = highest + 1
+        else:
+            log.info("resumed from %s: step %d, version %d", ckpts[-1], step, version)
+        M.VERSION.set(version)
+        return step, version
+
+    def exported_versions(self, first_adapter: str) -> list[int]:
+        """The versions exported to ``RUN/adapters/vV`` (that hold ``first_adapter``)."""
+        return [
             int(p.name[1:])
             for p in (self.run_dir / "adapters").glob("v*")
             if p.name[1:].isdigit() and (p / first_adapter).is_dir()
         ]
-        skipped = max([version, *published]) - version
-        version += skipped
-        log.info(
-            "resumed from %s: step %d, version %d%s",
-            last,
-            step,
-            version,
-            f" (skipping {skipped} version(s) published after the checkpoint)" if skipped else "",
-        )
-        M.VERSION.set(version)
-        return step, version
 
     def save(self, step: int, version: int) -> None:
         """Every rank saves its state; rank 0 then marks the folder complete and prunes old ones."""
