@@ -65,6 +65,10 @@ class RunCheckpoints:
             self.engine.load_checkpoint(last)
             step, version = int(state["step"]), int(state["version"])
         exported = self.exported_versions(first_adapter)
+        if self.world > 1:  # every rank has read the folder before rank 0 exports the resumed version
+            import torch.distributed as dist
+
+            dist.barrier()
         if not ckpts and not exported:
             return None
         highest = max([version, *exported])
