@@ -12,8 +12,10 @@ setup:
 demo: setup
 	$(VENV)/bin/teamrl demo
 
+# Two pytest-xdist workers: one runs the slow and vLLM tests one at a time, in order (they use both
+# cores); the other runs the fast tests beside them (tests/conftest.py, docs/running.md "Tests").
 test: setup
-	$(PY) -m pytest -m "not gpu" -q --durations=20
+	$(PY) -m pytest -m "not gpu" -q -n 2 --dist loadgroup --durations=20
 
 test-fast: setup
 	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q
