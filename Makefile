@@ -12,10 +12,9 @@ setup:
 demo: setup
 	$(VENV)/bin/teamrl demo
 
-# Two pytest-xdist workers: one runs the slow and vLLM tests one at a time, in order (they use both
-# cores); the other runs the fast tests beside them (tests/conftest.py, docs/running.md "Tests").
+# the slow and vLLM tests one at a time, the fast tests beside them (scripts/test.sh, docs/running.md)
 test: setup
-	$(PY) -m pytest -m "not gpu" -q -n 2 --dist loadgroup --durations=20
+	@bash scripts/test.sh
 
 test-fast: setup
 	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q

@@ -9,11 +9,6 @@ test and a ``teamrl`` command) on the same cache never write the same half-built
 ``embedded_text_model``: the same for the embedded-text model (docs/models.md, "The embedded-text model");
 ``embedded_llama_model``: for the Llama-architecture build (docs/teams.md);
 ``embedded_checker_model``: for the addition checker (docs/verifier-learning.md).
-
-Under pytest-xdist (``make test``: ``-n 2 --dist loadgroup``) every ``slow`` or ``vllm`` test joins one
-group, ``serial``, which one worker runs in order, one at a time: each starts vLLM engines or learners
-that use both cores, and their deadlines were set for that. The other worker runs the fast tests beside
-them (docs/running.md, "Tests").
 """
 
 from __future__ import annotations
@@ -25,14 +20,6 @@ from pathlib import Path
 import pytest
 
 BUILD_LOCK_WAIT_S = 1800.0  # a build takes minutes on 2 busy cores
-SERIAL = ("slow", "vllm")  # markers of the tests that run one at a time under pytest-xdist
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if any(item.get_closest_marker(m) for m in SERIAL):
-            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 def _locked_build(target: Path, build) -> Path:
