@@ -9,7 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 tmp=$(mktemp -d)
-trap 'kill "$fast" 2>/dev/null; rm -rf "$tmp"' EXIT
+fast=""
+trap '[ -n "$fast" ] && kill "$fast" 2>/dev/null; rm -rf "$tmp"' EXIT
 # own temporary folders, and one cache writer: the two sessions never touch each other's files
 "$PY" -m pytest -m "not gpu and not slow and not vllm" -q -p no:cacheprovider --basetemp "$tmp/fast" \
   --durations=5 "$@" > "$tmp/fast.log" 2>&1 &

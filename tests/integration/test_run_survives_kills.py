@@ -6,8 +6,9 @@ step is in metrics.jsonl exactly once and versions never go backwards; the final
 evaluated. The learner is killed before its first checkpoint: it starts again from the initial
 adapters, and publishes them as a version above those it had published, which the rollout takes up
 (before, it announced versions the rollout dropped as old, and the run waited with no end:
-docs/reliability.md R-kill-learner). The other learner tests kill or stop it after a checkpoint. Not checked here: duplicate or lost trajectories across the buffer's restart (the buffer's
-own kill -9 tests cover its checkpoint and the producers' resend).
+docs/reliability.md R-kill-learner). The other learner tests kill or stop it after a checkpoint.
+Not checked here: duplicate or lost trajectories across the buffer's restart (the buffer's own kill -9
+tests cover its checkpoint and the producers' resend).
 """
 
 from __future__ import annotations

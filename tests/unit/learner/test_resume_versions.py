@@ -64,3 +64,9 @@ def test_a_checkpoint_with_nothing_published_after_it_keeps_its_version(tmp_path
     _exported(tmp_path, 1, 2)
     _exported(tmp_path, 7, adapter="other-groups-lora")  # another learner group's folders do not count
     assert _resume(tmp_path)[0] == (2, 2)
+
+
+def test_only_version_0_exported_and_no_checkpoint_starts_at_0(tmp_path: Path) -> None:
+    _exported(tmp_path, 0)  # a sync run exports v0 for its lagged loads
+    got, engine = _resume(tmp_path)
+    assert got == (0, 0) and engine.loaded == []

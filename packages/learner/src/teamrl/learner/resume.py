@@ -71,12 +71,13 @@ class RunCheckpoints:
             dist.barrier()
         if not ckpts and not exported:
             return None
+        where = f"resumed from {ckpts[-1]}" if ckpts else "no checkpoint, resumed from the initial adapters"
         highest = max([version, *exported])
         if highest > version:  # versions after the checkpoint were lost with the process
             log.warning(
                 "%s: step %d; version(s) %d..%d were published after it and are lost: "
                 "the weights resumed with are published as version %d",
-                f"resumed from {ckpts[-1]}" if ckpts else "no checkpoint, resumed from the initial adapters",
+                where,
                 step,
                 version + 1,
                 highest,
@@ -84,7 +85,7 @@ class RunCheckpoints:
             )
             version = highest + 1
         else:
-            log.info("resumed from %s: step %d, version %d", ckpts[-1], step, version)
+            log.info("%s: step %d, version %d", where, step, version)
         M.VERSION.set(version)
         return step, version
 
