@@ -71,7 +71,10 @@ def summarise(run: Path, wall: float, target: float) -> dict:
     for key in sorted({k for r in m for k in r if k.startswith("grad_norm/")}):
         xs = [r[key] for r in m if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
         if xs:
-            out[f"spike/{key.split('/', 1)[1]}"] = max(xs) / max(statistics.median(xs), 1e-12)
+            adapter = key.split("/", 1)[1]
+            out[f"spike/{adapter}"] = max(xs) / max(statistics.median(xs), 1e-12)
+            out[f"grad0/{adapter}"] = xs[0]  # the first update: the same rollouts in both settings of a seed
+            out[f"grad_median/{adapter}"] = statistics.median(xs)
     return out
 
 
@@ -123,7 +126,7 @@ def statistics_of(per_seed: dict[str, list[dict]]) -> dict:
     """Mean and CI per setting and key, and the paired differences (second - first)."""
     (a, ra), (b, rb) = per_seed.items()
     keys = ["end", "best", "time_to_target", "wall_s"]
-    keys += sorted({k for r in ra + rb for k in r if k.startswith("spike/")})
+    keys += sorted({k for r in ra + rb for k in r if k.startswith(("spike/", "grad0/", "grad_median/"))})
     out: dict = {
         name: {k: mean_ci([r.get(k) for r in runs]) for k in keys} for name, runs in per_seed.items()
     }
@@ -199,10 +202,14 @@ def table_row(what: str, argv: list[str], stats: dict, names: list[str], n: int)
     label = "time to target (s)" if what == "mode" else "end held-out solver accuracy"
     diff = stats["difference"][key]
     cmd = f"tests/bench/compare_runs.py {what} {' '.join(argv)}".rstrip()
-    return (
-        f"| {what} | `{cmd}` | {label}: {a} {fmt(stats[a][key])}, {b} {fmt(stats[b][key])}; "
-        f"paired difference {fmt(diff)} ({n} seeds, 95 % CI) |"
-    )
+    result = f"{label}: {a} {fmt(stats[a][key])}, {b} {fmt(stats[b][key])}; paired difference {fmt(diff)}"
+    if what == "algorithm":  # the Dr. MAS signal: each adapter's gradient norm under either baseline
+        grads = [k for k in stats[a] if k.startswith("grad_median/")]
+        shown = [f"{k.split('/', 1)[1]} {a} {fmt(stats[a][k])}, {b} {fmt(stats[b][k])}" for k in grads]
+        result = "; ".join(
+            [result] * (stats[a][key][2] > 0) + ["median gradient norm " + "; ".join(shown)] * bool(shown)
+        )
+    return f"| {what} | `{cmd}` | {result} ({n} seeds, 95 % CI) |"
 
 
 def table(folder: Path, dest: Path) -> int:
@@ -258,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--workflow", default="addition-duo", help="workflow name or TOML (default addition-duo)")
     p.add_argument(
+        "--model", default=None, help="passed to both runs (e.g. smollm2-135m; default the workflow's)"
+    )
+    p.add_argument("--tasks", default=None, help="task file passed to both runs (JSONL/Parquet)")
+    p.add_argument(
         "--reward-latency",
         type=float,
         default=0.0,
@@ -294,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--set", item]
     if args.max_lag is not None:
         common += ["--max-lag", str(args.max_lag)]
+    for flag, value in (("--model", args.model), ("--tasks", args.tasks)):
+        common += [flag, value] if value else []
     workflow = with_latency(args.workflow, args.reward_latency, args.tool_latency, root)
     names = ["_".join(v[1::2][:1]) for v in VARIANTS[args.what]]
     seeds = list(range(args.seed, args.seed + args.seeds))

@@ -49,3 +49,20 @@ def test_paired_differences_and_the_table(tmp_path: Path) -> None:
     assert cr.main(["table", str(tmp_path / "runs"), str(tmp_path / "docs")]) == 0
     text = (tmp_path / "docs" / "README.md").read_text()
     assert row in text and (tmp_path / "docs" / "algorithm-summary.json").is_file()
+
+
+def test_each_adapters_gradient_norm_is_summarised_and_shown_without_an_evaluation(tmp_path: Path) -> None:
+    """A run with ``--eval-interval 0`` (a real model's short comparison): its row is the per-adapter
+    gradient norms; the first update's norm (``grad0/``: both settings of a seed see the same rollouts)
+    and the median over steps are in the summary."""
+    run = tmp_path / "grpo-seed0"
+    run.mkdir()
+    rows = [{"step": i, "grad_norm/solver-lora": g, "grad_norm/planner-lora": 1.0} for i, g in enumerate([4.0, 2.0, 3.0])]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = cr.summarise(run, 10.0, 0.5)
+    assert "end" not in got and got["grad0/solver-lora"] == 4.0 and got["grad_median/solver-lora"] == 3.0
+    assert got["spike/solver-lora"] == pytest.approx(4.0 / 3.0)
+    st = cr.statistics_of({"grpo": [got, got], "drmas": [dict(got, **{"grad_median/solver-lora": 1.0})] * 2})
+    row = cr.table_row("algorithm", [], st, ["grpo", "drmas"], 2)
+    assert "end held-out" not in row and "median gradient norm" in row
+    assert "solver-lora grpo 3.000 ± 0.000, drmas 1.000 ± 0.000" in row
