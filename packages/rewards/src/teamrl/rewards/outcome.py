@@ -89,6 +89,10 @@ class OutcomeReward:
     verifier of a team that is mostly wrong learns to reject everything (docs/real-model.md). The
     shares count every verifier act this object scores, held-out evaluation episodes of the same team
     included; updates are serialised (episodes are scored on several threads at once).
+
+    ``role_scale`` multiplies a role's act scores (``teamrl run --reward-scale solver=10``: agents with
+    different reward scales, the case Dr. MAS is about), as ``addition``'s does: the turn and trajectory
+    rewards follow the scaled answering acts; other acts keep the unscaled team outcome.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class OutcomeReward:
         answer_agent: str = "",
         balance_verdicts: bool = False,
         verdict_window: float = 256.0,
+        role_scale: Mapping[str, float] | None = None,
     ) -> None:
         self.scorer = (
             reward if isinstance(reward, Reward) else get_reward(reward, **dict(reward_kwargs or {}))
@@ -117,6 +122,7 @@ class OutcomeReward:
         self.balance_verdicts = balance_verdicts
         self.verdict_window = float(verdict_window)
         self.answers_seen = {True: 1.0, False: 1.0}  # decayed counts of right / wrong answers read
+        self.role_scale = dict(role_scale or {})
         self._seen_lock = threading.Lock()  # episodes are scored on worker threads, several at once
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:
@@ -124,7 +130,11 @@ class OutcomeReward:
         return self.scorer(completion, task)
 
     def episode(self, task: Mapping[str, Any], acts: Sequence[ActView]) -> EpisodeRewards:
-        return team_outcome(self.scorer, task, acts, self._answers, self._verifier_score)
+        out = team_outcome(self.scorer, task, acts, self._answers, self._verifier_score)
+        if not self.role_scale:
+            return out
+        scores = [x * self.role_scale.get(a.role, 1.0) for x, a in zip(out.acts, acts, strict=True)]
+        return by_answers(acts, scores, self._answers)
 
     def _verifier_score(self, a: ActView, own: Mapping[int, float]) -> float | None:
         """1 for a verifier's correct verdict on the last answer it read; None for other roles."""
