@@ -86,6 +86,10 @@ class SyncRun:
                 max_lora_rank=rcfg["max_lora_rank"],
                 lora_target_modules=tuple(rcfg["lora_target_modules"]),
                 dtype=rcfg.get("dtype", "float32"),
+                # as the plan sized them for the workflow (teamrl.rollout.sizing): without them a
+                # real model's engine asked for its whole context (8,192) in the 256 MiB default cache
+                max_model_len=int(rcfg.get("max_model_len") or 0),
+                kv_cache_bytes=int(rcfg.get("kv_cache_bytes") or EngineConfig.kv_cache_bytes),
             )
         )
         scale = rcfg["reward_scale"]
