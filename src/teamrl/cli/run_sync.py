@@ -43,6 +43,23 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     return await SyncRun(args, plan).run()
 
 
+def engine_config(model: str, rcfg: dict[str, Any], seed: int) -> Any:
+    """The sync run's one vLLM engine, with the context length and KV cache the plan sized for the
+    workflow (``teamrl.rollout.sizing``), as a rollout service gets them. Without them a real model's
+    engine asked for its whole context (8,192 tokens) in the 256 MiB default cache and did not start."""
+    from teamrl.rollout.engine import EngineConfig
+
+    return EngineConfig(
+        model=model,
+        seed=seed,
+        max_lora_rank=rcfg["max_lora_rank"],
+        lora_target_modules=tuple(rcfg["lora_target_modules"]),
+        dtype=rcfg.get("dtype", "float32"),
+        max_model_len=int(rcfg.get("max_model_len") or 0),
+        kv_cache_bytes=int(rcfg.get("kv_cache_bytes") or EngineConfig.kv_cache_bytes),
+    )
+
+
 class SyncRun:
     """One synchronous run: the learner engine, the vLLM engine and the workflow runner in this process,
     joined by an acked ZeroMQ pair on loopback. Each method is one phase of the loop."""
@@ -54,7 +71,7 @@ class SyncRun:
         from teamrl.learner.settings import EngineSettings
         from teamrl.protocol.children import start_reaper
         from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
-        from teamrl.rollout.engine import EngineConfig, RolloutEngine
+        from teamrl.rollout.engine import RolloutEngine
         from teamrl.rollout.runner import WorkflowRunner
 
         start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
@@ -79,19 +96,7 @@ class SyncRun:
         self.receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
         incarnation = uuid.uuid4().hex[:12]
         self.sender = ZmqDataSender(self.receiver.endpoint, incarnation)
-        self.eng = RolloutEngine(
-            EngineConfig(
-                model=plan.model,
-                seed=args.seed,
-                max_lora_rank=rcfg["max_lora_rank"],
-                lora_target_modules=tuple(rcfg["lora_target_modules"]),
-                dtype=rcfg.get("dtype", "float32"),
-                # as the plan sized them for the workflow (teamrl.rollout.sizing): without them a
-                # real model's engine asked for its whole context (8,192) in the 256 MiB default cache
-                max_model_len=int(rcfg.get("max_model_len") or 0),
-                kv_cache_bytes=int(rcfg.get("kv_cache_bytes") or EngineConfig.kv_cache_bytes),
-            )
-        )
+        self.eng = RolloutEngine(engine_config(plan.model, rcfg, args.seed))
         scale = rcfg["reward_scale"]
         self.runner = WorkflowRunner(
             rcfg["workflow"],
