@@ -180,10 +180,12 @@ def plot(root: Path, what: str, names: list[str], seeds: list[int]) -> list[Path
     agents = sorted({a for per in series.values() for a in per})
     for name, style in zip(names, ("--", "-"), strict=True):  # one colour per agent, one style per setting
         for agent, by_step in sorted(series[name].items()):
-            steps = sorted(by_step)
-            ys = [statistics.median(by_step[x]) for x in steps]
-            ax.plot(steps, ys, style, color=f"C{agents.index(agent)}", label=f"{name}: {agent}")
+            # a zero norm (no group with reward variance: no update) has no place on a log axis
+            pts = [(x, statistics.median(by_step[x])) for x in sorted(by_step)]
+            xs, ys = [x for x, y in pts if y > 0], [y for x, y in pts if y > 0]
+            ax.plot(xs, ys, style, marker="o", color=f"C{agents.index(agent)}", label=f"{name}: {agent}")
     ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("learner step")
     ax.set_ylabel("gradient norm (median over seeds)")
     ax.set_title(f"{what}: per-agent gradient norm")
