@@ -12,7 +12,9 @@ back to back, so slow drift of a shared machine falls on both. Reported per sett
 confidence interval (Student's t over the seeds) of the end and best held-out solver accuracy, the
 seconds until held-out solver accuracy first reached ``--target``, the wall time, and per agent the
 gradient-norm spike ratio (max over median of ``grad_norm/<adapter>``, the Dr. MAS paper's instability
-signal); and the paired difference (second minus first) with its interval. With ``--out DIR`` the runs,
+signal) with its first-update and median norm (``grad0/``, ``grad_median/``: in a sync run both
+settings of a seed train their first step on the same rollouts); and the paired difference (second
+minus first) with its interval. With ``--out DIR`` the runs,
 ``summary.json``, ``table.md`` (one row of the README's results table) and two plots stay there:
 ``accuracy.png`` (held-out solver accuracy per step, mean and band over seeds) and ``grad_norm.png``
 (per-agent gradient norm per step, median over seeds: global against agent-wise normalisation is the
