@@ -27,6 +27,13 @@ from teamrl.rewards.base import (
 )
 
 
+def scaled_by_role(
+    scores: Sequence[float], acts: Sequence[ActView], role_scale: Mapping[str, float]
+) -> list[float]:
+    """Each act's score times its role's ``role_scale`` (1 for a role not named)."""
+    return [x * role_scale.get(a.role, 1.0) for x, a in zip(scores, acts, strict=True)]
+
+
 class AdditionReward:
     """The embedded task (``teamrl.rewards.addition``): as ``teamrl run`` scores it.
 
@@ -67,7 +74,7 @@ class AdditionReward:
             else:  # scored on the candidate the verifier sees, as ``teamrl run`` does
                 scores.append(addition.solver_reward(dict(task), a.output))
         if self.role_scale:
-            scores = [x * self.role_scale.get(a.role, 1.0) for x, a in zip(scores, acts, strict=True)]
+            scores = scaled_by_role(scores, acts, self.role_scale)
         return by_answers(acts, scores, self._answers)
 
 
@@ -133,8 +140,7 @@ class OutcomeReward:
         out = team_outcome(self.scorer, task, acts, self._answers, self._verifier_score)
         if not self.role_scale:
             return out
-        scores = [x * self.role_scale.get(a.role, 1.0) for x, a in zip(out.acts, acts, strict=True)]
-        return by_answers(acts, scores, self._answers)
+        return by_answers(acts, scaled_by_role(out.acts, acts, self.role_scale), self._answers)
 
     def _verifier_score(self, a: ActView, own: Mapping[int, float]) -> float | None:
         """1 for a verifier's correct verdict on the last answer it read; None for other roles."""
