@@ -43,21 +43,20 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     return await SyncRun(args, plan).run()
 
 
-def engine_config(model: str, rcfg: dict[str, Any], seed: int) -> Any:
-    """The sync run's one vLLM engine, with the context length and KV cache the plan sized for the
-    workflow (``teamrl.rollout.sizing``), as a rollout service gets them. Without them a real model's
-    engine asked for its whole context (8,192 tokens) in the 256 MiB default cache and did not start."""
-    from teamrl.rollout.engine import EngineConfig
+def sync_engine(rcfg: dict[str, Any], seed: int) -> Any:
+    """The sync run's one vLLM engine (not started), built as a rollout service builds its engines
+    (``teamrl.rollout.config.resolve_bases`` then ``teamrl.rollout.bases.Bases.build``) from the
+    plan's ``[rollout]`` table: the context length, KV cache, dtype and adapter versions kept that
+    the plan sized for the workflow (``teamrl.rollout.sizing``). A second builder once fell behind:
+    the sync engine took vLLM's defaults, and SmolLM2's 8,192-token context did not fit its cache."""
+    from teamrl.rollout.bases import Bases
+    from teamrl.rollout.config import RolloutConfig, resolve_bases
 
-    return EngineConfig(
-        model=model,
-        seed=seed,
-        max_lora_rank=rcfg["max_lora_rank"],
-        lora_target_modules=tuple(rcfg["lora_target_modules"]),
-        dtype=rcfg.get("dtype", "float32"),
-        max_model_len=int(rcfg.get("max_model_len") or 0),
-        kv_cache_bytes=int(rcfg.get("kv_cache_bytes") or EngineConfig.kv_cache_bytes),
-    )
+    cfg = RolloutConfig.model_validate(rcfg)
+    bases = Bases.build(resolve_bases(cfg), seed, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype)
+    if len(bases) != 1:  # teamrl run refuses a sync run of several learner groups before this
+        raise SystemExit(f"teamrl run --mode sync serves one base model; the plan has {sorted(bases)}")
+    return next(iter(bases.values())).engine
 
 
 class SyncRun:
@@ -71,7 +70,6 @@ class SyncRun:
         from teamrl.learner.settings import EngineSettings
         from teamrl.protocol.children import start_reaper
         from teamrl.protocol.zmq_transport import ZmqDataReceiver, ZmqDataSender
-        from teamrl.rollout.engine import RolloutEngine
         from teamrl.rollout.runner import WorkflowRunner
 
         start_reaper()  # no vLLM process outlives this one, however it ends (SIGKILL included)
@@ -96,7 +94,7 @@ class SyncRun:
         self.receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
         incarnation = uuid.uuid4().hex[:12]
         self.sender = ZmqDataSender(self.receiver.endpoint, incarnation)
-        self.eng = RolloutEngine(engine_config(plan.model, rcfg, args.seed))
+        self.eng = sync_engine(rcfg, args.seed)
         scale = rcfg["reward_scale"]
         self.runner = WorkflowRunner(
             rcfg["workflow"],

@@ -36,6 +36,7 @@ from teamrl.learner.losses import (
 )
 from teamrl.learner.update import (
     correction_factor,
+    factor_bounds,
     happo_advantages,
     joint_logprob,
     joint_rows,
@@ -458,6 +459,29 @@ def test_simultaneous_mode_keeps_factor_one() -> None:
         n_rows=n_joint,
     )
     assert res.order == [1, 0] and all(torch.equal(f, torch.ones(n_joint)) for f in factors)
+
+
+def test_factor_clip_is_symmetric_in_log_space_and_counts_the_rows_it_changed() -> None:
+    assert factor_bounds(None) is None
+    assert factor_bounds(4.0) == (0.25, 4.0)
+    with pytest.raises(AlgorithmError, match="> 1"):
+        factor_bounds(0.5)
+    seen: list[torch.Tensor] = []
+    ratios = {"a": torch.log(torch.tensor([64.0, 1.5, 1 / 64.0])), "b": torch.zeros(3)}
+    after = {"a": False}
+
+    def logprob(k: str) -> torch.Tensor:  # agent a moves by its ratios in its step, b never
+        return ratios[k] if k == "a" and after["a"] else torch.zeros(3)
+
+    def step(k: str, f: torch.Tensor) -> dict:
+        seen.append(f)
+        after[k] = True
+        return {}
+
+    res = sequential_update(["a", "b"], [0, 1], logprob, step, factor_clip=factor_bounds(4.0))
+    close(seen[1], [4.0, 1.5, 0.25])
+    assert [r.factor_clipped_rows for r in res.records] == [0, 2]
+    assert res.records[1].factor_max == pytest.approx(4.0)
 
 
 # §6 GAE at action and token level ------------------------------------------------------------------------

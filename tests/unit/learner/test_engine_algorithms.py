@@ -86,6 +86,18 @@ def test_second_agents_factor_departs_from_one_after_the_first_update(engine, mo
     assert res.metrics["singleton_groups"] == 0.0
 
 
+def test_a_factor_clip_bounds_the_second_agents_factor_and_counts_the_rows(engine) -> None:
+    engine.settings = engine.settings.replace(happo_factor_clip=1.0001)
+    try:
+        res = engine.train_step(_episodes(engine), step=1, current_version=0)
+    finally:
+        engine.settings = engine.settings.replace(happo_factor_clip=None)
+    assert 1 / 1.0001 - 1e-6 <= res.metrics["factor_mean/verifier-lora"] <= 1.0001 + 1e-6
+    assert res.metrics["factor_max/verifier-lora"] <= 1.0001 + 1e-6
+    assert res.metrics["factor_clipped_rows/verifier-lora"] > 0
+    assert res.metrics["factor_clipped_rows/solver-lora"] == 0.0
+
+
 def test_simultaneous_update_keeps_factor_one(engine) -> None:
     engine.settings = engine.settings.replace(update_order="simultaneous")
     try:

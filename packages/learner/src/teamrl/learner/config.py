@@ -210,6 +210,13 @@ class LearnerConfig(_Strict):
         "turn): a row is weighted by the earlier-updated agents' ratios of its own turn (HAPPO/MARFT); "
         "trajectory = by their ratios over the whole episode (equal on single-turn workflows)",
     )
+    happo_factor_clip: float | None = Field(
+        None,
+        gt=1,
+        description="sequential: clip the HAPPO correction factor to [1/c, c] (None: unclipped, as HARL). "
+        "The factor is a product of whole-action ratios, so it grows with the action's length: 4-64 "
+        "measured on a 135M model's ~60-token plans (docs/algorithms.md §4)",
+    )
     order: Literal["random", "fixed"] = Field(
         "random", description="sequential order: a seeded random permutation per step, or ``adapters`` order"
     )

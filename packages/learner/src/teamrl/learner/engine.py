@@ -72,7 +72,13 @@ from teamrl.learner.model import AdapterModel
 from teamrl.learner.policy_step import AdapterStep, StepData, idle_stats
 from teamrl.learner.rows import Advantages, RowBatch, StepRows, build_rows, outcome, row_advantages, step_rows
 from teamrl.learner.settings import AdapterSettings, EngineSettings
-from teamrl.learner.update import SequentialUpdateResult, joint_logprob, random_order, sequential_update
+from teamrl.learner.update import (
+    SequentialUpdateResult,
+    factor_bounds,
+    joint_logprob,
+    random_order,
+    sequential_update,
+)
 from teamrl.protocol.trajectory import GraphTrajectory
 
 __all__ = [
@@ -295,6 +301,7 @@ class LearnerEngine:
             step_fn,
             epochs=optim.epochs,
             mode=optim.update_order,
+            factor_clip=factor_bounds(optim.happo_factor_clip),
             n_rows=rows.n_joint,
             measure_last=False,  # nothing reads the last agent's ratio: one no-grad pass fewer
             old_fn=old_fn,  # and π_old comes from the training forward: one more fewer per agent
@@ -400,6 +407,8 @@ def _update_metrics(result: SequentialUpdateResult[str]) -> dict[str, float]:
         for k, v in rec.step_stats[-1].items():
             out[f"{k}/{rec.agent}"] = v
         out[f"factor_mean/{rec.agent}"] = rec.factor_mean
+        out[f"factor_max/{rec.agent}"] = rec.factor_max
+        out[f"factor_clipped_rows/{rec.agent}"] = float(rec.factor_clipped_rows)
     return out
 
 

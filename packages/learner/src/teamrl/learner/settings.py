@@ -148,6 +148,7 @@ class OptimSettings:
 
     update_order: Literal["sequential", "simultaneous"] = config_default("update_order")
     happo_factor: Literal["turn", "trajectory"] = config_default("happo_factor")
+    happo_factor_clip: float | None = config_default("happo_factor_clip")
     order: Literal["random", "fixed"] = config_default("order")
     epochs: int = config_default("epochs")
     micro_batch_rows: int = config_default("micro_batch_rows")

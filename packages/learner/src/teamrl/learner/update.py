@@ -20,7 +20,7 @@ Design decisions (docs/algorithms.md §4):
   one joint sample add): the factor is exp(Σ_k Δℓ^{iₖ}). It is kept in log space (a running sum), and
   exponentiated with the log clamped to ±20 so it cannot overflow; ``factor_clip=(lo, hi)``
   additionally clips the product itself, trading the estimator's unbiasedness for variance (HARL
-  does not clip; off by default).
+  does not clip; off by default; config ``happo_factor_clip`` c gives :func:`factor_bounds` [1/c, c]).
 * The factor is a stop-gradient constant: it is built from log-probs evaluated under ``no_grad``,
   detached in :func:`update_log_factor` and again in :func:`happo_advantages`.
 * The factor sits outside the min in HARL (``factor * min(surr1, surr2)``); since factor > 0 that equals
@@ -171,6 +171,16 @@ def correction_factor(log_factor: Tensor, clip: tuple[float, float] | None = Non
             raise AlgorithmError(f"factor clip must satisfy 0 <= lo <= 1 <= hi, got {clip}")
         factor = factor.clamp(lo, hi)
     return factor
+
+
+def factor_bounds(clip: float | None) -> tuple[float, float] | None:
+    """Config ``happo_factor_clip`` c as the bounds [1/c, c] of :func:`correction_factor`, symmetric
+    in log space (None: unclipped)."""
+    if clip is None:
+        return None
+    if not clip > 1:
+        raise AlgorithmError(f"happo_factor_clip must be > 1 (the factor is clipped to [1/c, c]), got {clip}")
+    return 1.0 / clip, float(clip)
 
 
 def happo_advantages(advantages: Tensor, factor: Tensor, joint_idx: Tensor) -> Tensor:
