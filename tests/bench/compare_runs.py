@@ -4,6 +4,8 @@
     python tests/bench/compare_runs.py algorithm --reward-scale verifier=10
                                                      # (b) Dr. MAS agent-wise vs global GRPO
     python tests/bench/compare_runs.py update-order  # (c) agent-by-agent (HAPPO) vs simultaneous
+    python tests/bench/compare_runs.py factor-clip --factor-clip 2
+                                                     # (d) Dr. MAS, HAPPO's factor unclipped vs clipped
     python tests/bench/compare_runs.py table runs/results docs/results   # the table from saved comparisons
 
 Each run is a real ``teamrl run`` (vLLM rollouts, DeepSpeed learner) on the embedded default task,
@@ -20,8 +22,10 @@ minus first) with its interval. With ``--out DIR`` the runs,
 (per-agent gradient norm per step, median over seeds: global against agent-wise normalisation is the
 Dr. MAS figure). The last line is ``compare_<what>=<float>``: for ``mode`` the sync/async ratio of mean
 time-to-target (>1: async reached it sooner), else the ratio of mean end accuracies (second/first).
-This prints figures; it asserts nothing about them. ``make results`` runs all three and the table
-(about 30-60 minutes on 2 cores with the defaults).
+This prints figures; it asserts nothing about them. ``make results`` runs (a)-(c) and the table
+(about 30-60 minutes on 2 cores with the defaults). With ``--reuse`` a run folder already under
+``--out`` that holds ``--steps`` steps is summarised as it stands instead of run again (an interrupted
+comparison goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ VARIANTS = {
         ["--update-order", "simultaneous", "--mode", "sync"],
         ["--update-order", "sequential", "--mode", "sync"],
     ),
+    # the second setting also gets --set learner.happo_factor_clip=<--factor-clip> (main)
+    "factor-clip": (["--algorithm", "drmas", "--mode", "sync"], ["--algorithm", "drmas", "--mode", "sync"]),
 }
+NAMES = {"factor-clip": ["unclipped", "clipped"]}  # else each setting's first flag value
 DEFAULT_ARGS = {  # what the README's rows were run with
     "mode": [],
     "algorithm": ["--steps", "40", "--reward-scale", "verifier=10"],
@@ -78,6 +85,29 @@ def summarise(run: Path, wall: float, target: float) -> dict:
             out[f"grad0/{adapter}"] = xs[0]  # the first update: the same rollouts in both settings of a seed
             out[f"grad_median/{adapter}"] = statistics.median(xs)
     return out
+
+
+def run_once(cmd: list[str], run: Path, label: str) -> float | None:
+    """Run ``cmd`` (a ``teamrl run``); its wall time, also kept in ``run/compare.json`` for
+    ``--reuse``; None (the output printed) when it failed."""
+    t0 = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    if res.returncode != 0:
+        print(f"{label}: teamrl run failed ({res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+        return None
+    (run / "compare.json").write_text(json.dumps({"wall_s": wall, "argv": cmd[3:]}))
+    return wall
+
+
+def finished_wall(run: Path, steps: int) -> float | None:
+    """The wall time of a finished run in ``run`` (``steps`` metric rows), for ``--reuse``: from its
+    ``compare.json``, else its last step's time; None when the folder holds no finished run."""
+    rows = read(run / "metrics.jsonl")
+    if len(rows) < steps:
+        return None
+    saved = run / "compare.json"
+    return float(json.loads(saved.read_text())["wall_s"]) if saved.is_file() else float(rows[-1]["time"])
 
 
 def with_latency(workflow: str, reward_s: float, tool_s: float, root: Path) -> str:
@@ -207,11 +237,13 @@ def table_row(what: str, argv: list[str], stats: dict, names: list[str], n: int)
     diff = stats["difference"][key]
     cmd = f"tests/bench/compare_runs.py {what} {' '.join(argv)}".rstrip()
     result = f"{label}: {a} {fmt(stats[a][key])}, {b} {fmt(stats[b][key])}; paired difference {fmt(diff)}"
-    if what == "algorithm":  # the Dr. MAS signal: each adapter's gradient norm under either baseline
-        grads = [k for k in stats[a] if k.startswith("grad_median/")]
+    if what in ("algorithm", "factor-clip"):  # each adapter's gradient norm in either setting
+        grads = [k for k in stats[a] if k.startswith("grad_median/" if what == "algorithm" else "grad0/")]
         shown = [f"{k.split('/', 1)[1]} {a} {fmt(stats[a][k])}, {b} {fmt(stats[b][k])}" for k in grads]
         result = "; ".join(
-            [result] * (stats[a][key][2] > 0) + ["median gradient norm " + "; ".join(shown)] * bool(shown)
+            [result] * (stats[a][key][2] > 0)
+            + [("median" if what == "algorithm" else "first-update") + " gradient norm " + "; ".join(shown)]
+            * bool(shown)
         )
     return f"| {what} | `{cmd}` | {result} ({n} seeds, 95 % CI) |"
 
@@ -288,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="passed to both runs"
     )
+    p.add_argument(
+        "--factor-clip", type=float, default=2.0, help="(d): the clipped setting's learner.happo_factor_clip"
+    )
+    p.add_argument(
+        "--reuse", action="store_true", help="summarise a run folder under --out that has --steps steps"
+    )
     p.add_argument("--quick", action="store_true", help="6 steps of 4x4: checks the script, not the science")
     p.add_argument(
         "--out", default=None, help="folder for the runs, summary and plots (default: a temp folder)"
@@ -312,21 +350,21 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--model", args.model), ("--tasks", args.tasks)):
         common += [flag, value] if value else []
     workflow = with_latency(args.workflow, args.reward_latency, args.tool_latency, root)
-    names = ["_".join(v[1::2][:1]) for v in VARIANTS[args.what]]
+    names = NAMES.get(args.what) or ["_".join(v[1::2][:1]) for v in VARIANTS[args.what]]
+    variants = list(VARIANTS[args.what])
+    if args.what == "factor-clip":
+        variants[1] = [*variants[1], "--set", f"learner.happo_factor_clip={args.factor_clip}"]
     seeds = list(range(args.seed, args.seed + args.seeds))
     per_seed: dict[str, list[dict]] = {n: [] for n in names}
     for seed in seeds:
-        for name, variant in zip(names, VARIANTS[args.what], strict=True):
+        for name, variant in zip(names, variants, strict=True):
             run = root / f"{name}-seed{seed}"
-            t0 = time.time()
             cmd = [sys.executable, "-m", "teamrl.cli.main", "run", "--workflow", workflow]
             cmd += ["--run-dir", str(run), "--seed", str(seed), *common, *variant]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            wall = time.time() - t0
-            if res.returncode != 0:
-                print(
-                    f"{name} seed {seed}: teamrl run failed ({res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}"
-                )
+            wall = finished_wall(run, args.steps) if args.reuse else None
+            if wall is None:
+                wall = run_once(cmd, run, f"{name} seed {seed}")
+            if wall is None:
                 return 1
             per_seed[name].append(summarise(run, wall, args.target))
             shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in per_seed[name][-1].items()}

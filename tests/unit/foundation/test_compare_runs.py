@@ -66,3 +66,25 @@ def test_each_adapters_gradient_norm_is_summarised_and_shown_without_an_evaluati
     row = cr.table_row("algorithm", [], st, ["grpo", "drmas"], 2)
     assert "end held-out" not in row and "median gradient norm" in row
     assert "solver-lora grpo 3.000 ± 0.000, drmas 1.000 ± 0.000" in row
+
+
+def test_finished_runs_are_reused_and_the_factor_clip_row_is_the_first_update(tmp_path: Path, capsys) -> None:
+    """``--reuse`` summarises run folders that hold ``--steps`` steps instead of running them again
+    (none is run here: no ``teamrl run`` could start without a model); a folder with fewer steps is not
+    a finished run. Comparison (d)'s row is each adapter's first-update gradient norm."""
+    for name, g in (("unclipped", 40.0), ("clipped", 0.3)):
+        run = tmp_path / f"{name}-seed1"
+        run.mkdir()
+        rows = [{"step": i, "time": 50.0 * (i + 1), "grad_norm/solver-lora": g / (i + 1)} for i in range(2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "clipped-seed1" / "compare.json").write_text(json.dumps({"wall_s": 123.0}))
+    assert cr.finished_wall(tmp_path / "unclipped-seed1", 3) is None  # 2 of 3 steps: not finished
+    assert cr.finished_wall(tmp_path / "unclipped-seed1", 2) == 100.0  # no compare.json: the last step's time
+    argv = ["factor-clip", "--steps", "2", "--seed", "1", "--seeds", "1", "--eval-interval", "0", "--reuse"]
+    assert cr.main([*argv, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["runs"]["clipped"][0]["wall_s"] == 123.0
+    assert summary["runs"]["unclipped"][0]["grad0/solver-lora"] == 40.0
+    row = (tmp_path / "table.md").read_text()
+    assert "first-update gradient norm solver-lora unclipped 40.000, clipped 0.300" in row
+    assert "compare_factor_clip=nan" in capsys.readouterr().out
