@@ -58,3 +58,20 @@ def test_episodes_scored_on_several_threads_lose_no_count() -> None:
     k = 1.0 - 1.0 / reward.verdict_window
     total = reward.answers_seen[True] + reward.answers_seen[False]
     assert total == pytest.approx(2 * k**4000 + (1 - k**4000) / (1 - k), rel=1e-9)
+
+
+def test_the_held_out_evaluation_scores_with_a_reward_of_its_own() -> None:
+    """A runner evaluates on its greedy copy of the workflow (``with_sampling(temperature=0)``), whose
+    reward object is another one: held-out verdicts never move the training reward's class shares."""
+    from pathlib import Path
+
+    from teamrl.rollout.workflows import load
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "workflows" / "math-trio-two-number.toml"
+    wf = load(str(bench))
+    train = wf.reward_fn()
+    assert train.balance_verdicts and train is wf.reward_fn()  # one object for every training episode
+    held_out = wf.with_sampling(temperature=0.0).reward_fn()
+    assert held_out is not train
+    held_out.episode({"answer": "7"}, _episode("Answer: 9", "VERDICT: wrong"))
+    assert train.answers_seen == {True: 1.0, False: 1.0}

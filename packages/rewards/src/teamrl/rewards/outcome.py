@@ -94,8 +94,9 @@ class OutcomeReward:
     each). The expected verdict reward is then the verifier's balanced accuracy: 0.5 for any verdict
     that ignores the answer (always accept, always reject, a coin), 1 for a perfect one. Without it a
     verifier of a team that is mostly wrong learns to reject everything (docs/real-model.md). The
-    shares count every verifier act this object scores, held-out evaluation episodes of the same team
-    included; updates are serialised (episodes are scored on several threads at once).
+    shares count every verifier act this object scores; a workflow runner's held-out evaluation scores
+    with a reward object of its own (its greedy copy of the workflow), so these are the training
+    episodes' shares. Updates are serialised (episodes are scored on several threads at once).
 
     ``role_scale`` multiplies a role's act scores (``teamrl run --reward-scale solver=10``: agents with
     different reward scales, the case Dr. MAS is about), as ``addition``'s does: the turn and trajectory
