@@ -47,11 +47,15 @@ results: setup
 # The real model's results (docs/real-model.md; SmolLM2-135M-Instruct, built on first use): LangMARL's
 # judge, free text against structured outputs (about 8 minutes), profile evolution (about 17 minutes),
 # a team's held-out accuracy before and after 28 RL steps over 5 seeds (about 34 minutes a seed), and
-# the team with a verifier, 30 minutes of RL over 3 seeds (about 39 minutes a seed): about 5 hours on
-# 2 cores. Prints figures, asserts none. The learner trains in bfloat16 (REAL_MODEL_DTYPE), which needs a
+# the team with a verifier, 30 minutes of RL over 3 seeds (about 39 minutes a seed), MARFT's anonymous
+# agents at base weights (3 seeds, about 27 minutes), and Dr. MAS against GRPO and HAPPO's factor
+# clipped, as first gradients (3 seeds each, about 35 and 20 minutes): about 6 hours on 2 cores. Prints figures, asserts none. The learner trains in bfloat16 (REAL_MODEL_DTYPE), which needs a
 # CPU with AVX-512 BF16 or AMX (or a GPU): elsewhere it is emulated, 23x slower, and the target stops at
 # once unless REAL_MODEL_DTYPE=float32 (a different recipe from the one docs/real-model.md reports).
 REAL_MODEL_DTYPE ?= bfloat16
+REAL_MODEL_GRADIENTS = --workflow tests/bench/workflows/math-duo-two-number.toml --model smollm2-135m \
+	--tasks runs/results/two15.jsonl --steps 3 --tasks-per-step 2 --group-size 8 --eval-interval 0 \
+	--eval-tasks 8 --seed 1 --seeds 3 --reward-scale solver=10 --set learner.lr=0.0005
 real-model-results: setup
 	@[ "$(REAL_MODEL_DTYPE)" != bfloat16 ] || $(PY) -c "import sys; from teamrl.learner.cpu import bfloat16_warning as w; \
 		sys.exit(f'real-model-results: {w()}; or REAL_MODEL_DTYPE=float32') if w() else None"
@@ -63,6 +67,11 @@ real-model-results: setup
 	$(PY) tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-trio-two-number.toml \
 		--tasks runs/results/two15.jsonl --runs runs/results/real-model-trio --seeds 1,2,3 --steps 60 --max-minutes 30 \
 		--set learner.dtype=$(REAL_MODEL_DTYPE) --out docs/results/real-model/trio-balanced
+	$(PY) tests/bench/anonymous_agents.py --tasks runs/results/two15.jsonl --seeds 1,2,3 \
+		--out docs/results/real-model/anonymous-base
+	$(PY) tests/bench/compare_runs.py algorithm $(REAL_MODEL_GRADIENTS) --out runs/results/real-model-algorithm
+	$(PY) tests/bench/compare_runs.py factor-clip $(REAL_MODEL_GRADIENTS) --factor-clip 2 \
+		--out runs/results/real-model-factor-clip
 
 # (d) rollout scaling, plus everything of `results`.
 bench-results: results
