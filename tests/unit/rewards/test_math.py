@@ -166,3 +166,17 @@ def test_a_call_in_an_answer_is_never_run(math_reward: MathReward) -> None:
     # math-verify reads ``open('f')`` as LaTeX: the product o*p*e*n*(f), a wrong answer, not a call.
     res = math_reward("\\boxed{open('f')}", {"answer": "x"})
     assert (res.score, res.reason) == (0.0, "wrong_answer")
+
+
+def test_without_the_last_number_fallback_only_a_marked_answer_scores() -> None:
+    """``last_number=False``: noise that ends in the right number is ``unmarked`` (0); a marked answer
+    scores as before; set through a workflow's ``[reward.kwargs] reward_kwargs``, as outcome passes it."""
+    strict = MathReward(timeout_s=TIMEOUT_S, symbolic=False, last_number=False)
+    noise = "Nine Forces of Solutauna ... a war Caldero 12"
+    assert MathReward(symbolic=False)(noise, {"answer": "12"}).score == 1.0  # the default fallback
+    res = strict(noise, {"answer": "12"})
+    assert (res.score, res.reason, res.details["method"]) == (0.0, "unmarked", "last_number")
+    assert strict("so 5 + 7 = 12\nAnswer: 12", {"answer": "12"}).reason == "ok"
+    assert strict("\\boxed{11}", {"answer": "12"}).reason == "wrong_answer"
+    team = get_reward("outcome", reward="math", reward_kwargs={"last_number": False, "symbolic": False})
+    assert team.scorer(noise, {"answer": "12"}).reason == "unmarked"

@@ -30,9 +30,10 @@ may compute rewards. The worker is long-lived otherwise (importing sympy and the
 a second). Only LaTeX is parsed: math-verify's plain-expression mode goes through sympy's
 ``parse_expr``, which evaluates what it parses.
 
-Reasons: ``ok``, ``no_answer`` (nothing could be extracted), ``wrong_answer``, ``timeout`` (math-verify's
-alarm, or the worker was killed), ``unparsable`` (the answer is not LaTeX math-verify reads),
-``too_complex`` (the worker ran out of memory or recursion depth).
+Reasons: ``ok``, ``no_answer`` (nothing could be extracted), ``unmarked`` (only a last number, with
+``last_number=False``), ``wrong_answer``, ``timeout`` (math-verify's alarm, or the worker was killed),
+``unparsable`` (the answer is not LaTeX math-verify reads), ``too_complex`` (the worker ran out of
+memory or recursion depth).
 
 Call sequence::
 
@@ -445,7 +446,10 @@ class MathReward:
 
     ``timeout_s`` bounds the symbolic check of one answer (wall clock; the worker is killed past it),
     ``memory_mb`` its address space; ``symbolic=False`` stops after the numeric stage;
-    ``max_chars`` keeps only the completion's tail (where final answers are).
+    ``max_chars`` keeps only the completion's tail (where final answers are);
+    ``last_number=False`` takes only a marked answer (``\\boxed{}``, an ``Answer:`` line, ``####``): a
+    completion whose answer would be its last number alone scores 0 with reason ``unmarked`` (the
+    fallback also rewards noise that happens to end in the right number).
     Results of symbolic checks are cached (``cache_size`` pairs): a GRPO group repeats answers.
     """
 
@@ -459,6 +463,7 @@ class MathReward:
         symbolic: bool = True,
         max_chars: int = 20_000,
         cache_size: int = 4096,
+        last_number: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"MathReward timeout_s must be > 0, got {timeout_s}")
@@ -467,6 +472,7 @@ class MathReward:
         self.symbolic = symbolic
         self.max_chars = max_chars
         self.cache_size = cache_size
+        self.last_number = last_number
         self.worker = SympyWorker(memory_mb=memory_mb)
         self._cache: dict[tuple[str, str], tuple[bool, str]] = {}
         self._cache_lock = threading.Lock()
@@ -493,6 +499,8 @@ class MathReward:
             return RewardResult(0.0, "no_answer", {"extracted": None, "method": None, "gold": gold})
         pred = normalize_math(found[0])
         details: dict[str, Any] = {"extracted": pred, "method": found[1], "gold": gold}
+        if found[1] == "last_number" and not self.last_number:
+            return RewardResult(0.0, "unmarked", details)
         if not pred:
             return RewardResult(0.0, "no_answer", details)
         if pred == gold or pred.replace(" ", "") == gold.replace(" ", ""):
