@@ -75,3 +75,20 @@ def test_the_held_out_evaluation_scores_with_a_reward_of_its_own() -> None:
     assert held_out is not train
     held_out.episode({"answer": "7"}, _episode("Answer: 9", "VERDICT: wrong"))
     assert train.answers_seen == {True: 1.0, False: 1.0}
+
+
+def test_a_profile_round_keeps_the_training_rewards_class_shares() -> None:
+    """LangMARL's round gives the runner a copy of the workflow with new profiles
+    (``with_profiles``); its reward is the same object, so the class shares go on, not restart at 1/1."""
+    from pathlib import Path
+
+    from teamrl.rollout.workflows import load
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "workflows" / "math-trio-two-number.toml"
+    wf = load(str(bench))
+    train = wf.reward_fn()
+    train.episode({"answer": "7"}, _episode("Answer: 9", "VERDICT: wrong"))
+    seen = dict(train.answers_seen)
+    after = wf.with_profiles({"verifier": "You check the solver's answer."})
+    assert after.agent("verifier").profile == "You check the solver's answer."
+    assert after.reward_fn() is train and after.reward_fn().answers_seen == seen != {True: 1.0, False: 1.0}

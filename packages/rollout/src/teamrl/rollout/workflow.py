@@ -160,7 +160,10 @@ class Workflow(_Strict):
     def with_profiles(self, profiles: Mapping[str, str]) -> Workflow:
         """A copy whose agents named in ``profiles`` get those system prompts (LangMARL's update).
 
-        Agents not named keep theirs; a name that is no agent of this workflow is a WorkflowError."""
+        Agents not named keep theirs; a name that is no agent of this workflow is a WorkflowError.
+        The copy shares this workflow's built reward and tools (profiles change neither): a reward
+        with state, such as ``outcome``'s ``balance_verdicts`` class shares, goes on across a
+        LangMARL round instead of starting again."""
         known = {a.id for a in self.agents}
         unknown = sorted(set(profiles) - known)
         if unknown:
@@ -169,7 +172,9 @@ class Workflow(_Strict):
         for a in data["agents"]:
             if a["id"] in profiles:
                 a["profile"] = profiles[a["id"]]
-        return Workflow.from_dict(data)
+        out = Workflow.from_dict(data)
+        out._reward_fn, out._tools = self._reward_fn, self._tools
+        return out
 
     # ------------------------------------------------------------------ built parts (cached)
 
