@@ -48,8 +48,9 @@ results: setup
 # judge, free text against structured outputs (about 8 minutes), profile evolution (about 17 minutes),
 # a team's held-out accuracy before and after 28 RL steps over 5 seeds (about 34 minutes a seed), and
 # the team with a verifier, 30 minutes of RL over 3 seeds (about 39 minutes a seed), MARFT's anonymous
-# agents at base weights (3 seeds, about 27 minutes), and Dr. MAS against GRPO and HAPPO's factor
-# clipped, as first gradients (3 seeds each, about 35 and 20 minutes): about 6 hours on 2 cores. Prints figures, asserts none. The learner trains in bfloat16 (REAL_MODEL_DTYPE), which needs a
+# agents at base weights (3 seeds, about 23 minutes), and Dr. MAS against GRPO and HAPPO's factor
+# clipped, as first gradients (3 seeds of two settings each, about 35 minutes each): about 6 hours on 2
+# cores. Prints figures, asserts none. The learner trains in bfloat16 (REAL_MODEL_DTYPE), which needs a
 # CPU with AVX-512 BF16 or AMX (or a GPU): elsewhere it is emulated, 23x slower, and the target stops at
 # once unless REAL_MODEL_DTYPE=float32 (a different recipe from the one docs/real-model.md reports).
 REAL_MODEL_DTYPE ?= bfloat16

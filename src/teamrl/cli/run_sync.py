@@ -54,7 +54,7 @@ def sync_engine(rcfg: dict[str, Any], seed: int) -> Any:
 
     cfg = RolloutConfig.model_validate(rcfg)
     bases = Bases.build(resolve_bases(cfg), seed, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype)
-    if len(bases) != 1:  # teamrl run refuses a sync run of several learner groups before this
+    if len(bases) != 1:  # several learner groups are refused before this; a frozen second base is not
         raise SystemExit(f"teamrl run --mode sync serves one base model; the plan has {sorted(bases)}")
     return next(iter(bases.values())).engine
 
