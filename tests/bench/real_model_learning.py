@@ -12,7 +12,7 @@ has one, and each run's wall time and training reward per step. Writes ``summary
     python tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/two15.jsonl
     python tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-duo-two-number.toml \\
         --tasks runs/two15.jsonl [--seeds 1,2,3] [--steps 28] [--lr 5e-4] [--set learner.dtype=bfloat16] \\
-        [--max-minutes 30] [--out docs/results/real-model/duo-bf16]
+        [--max-minutes 30] [--out docs/results/real-model/duo-bf16] [--merge OLD/summary.json]
 
 docs/real-model.md ("Three seeds inside the window" and "28 steps in 30 minutes") gives the figures and the
 time: a seed is about 20 minutes at 12 float32 steps, about 34 at 28 bfloat16-learner steps (30 of them
@@ -22,6 +22,7 @@ training) on 2 cores.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def plot(summary: dict[str, Any], key: str, dest: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workflow", default="tests/bench/workflows/math-duo-two-number.toml")
     p.add_argument("--tasks", default="", help="task file (JSONL/Parquet); its last tenth is held out")
@@ -162,9 +163,44 @@ def main() -> None:
     )
     p.add_argument("--runs", default="runs/real-model-learning", help="one run folder per seed here")
     p.add_argument("--out", default="docs/results/real-model/duo")
-    args = p.parse_args()
+    p.add_argument(
+        "--merge",
+        default="",
+        metavar="SUMMARY",
+        help="an earlier summary.json of these settings: its seeds join this run's in the table (not rerun)",
+    )
+    return p.parse_args()
+
+
+MERGED_SETTINGS = ("workflow", "model", "steps", "tasks_per_step", "group_size", "lr", "max_lag", "n")
+MERGED_SETTINGS += ("temperature", "set", "max_minutes", "tasks_sha256")
+
+
+def earlier_seeds(args: argparse.Namespace, seeds: list[int]) -> dict[str, list]:
+    """The runs and evaluations of an earlier ``summary.json`` (``--merge``): its settings must be this
+    run's (a setting it did not record, as older summaries lack ``max_minutes``, is not compared), and
+    its seeds others than this run's."""
+    if not args.merge:
+        return {"runs": [], "base_evals": [], "end_evals": []}
+    old, now = json.loads(Path(args.merge).read_text()), vars(args)
+    differ = [
+        f"{k}: {old[k]!r} there, {now[k]!r} here" for k in MERGED_SETTINGS if k in old and old[k] != now[k]
+    ]
+    if differ:
+        raise SystemExit(
+            f"real_model_learning: --merge {args.merge} ran other settings: " + "; ".join(differ)
+        )
+    if clash := sorted({r["seed"] for r in old["runs"]} & set(seeds)):
+        raise SystemExit(f"real_model_learning: --merge {args.merge} already has seeds {clash}")
+    return {k: old[k] for k in ("runs", "base_evals", "end_evals")}
+
+
+def main() -> None:
+    args = parse_args()
+    args.tasks_sha256 = hashlib.sha256(Path(args.tasks).read_bytes()).hexdigest() if args.tasks else ""
     seeds, out, t0 = [int(s) for s in args.seeds.split(",")], Path(args.out), time.monotonic()
-    base, end, per_seed = [], [], []
+    prior = earlier_seeds(args, seeds)
+    base, end, per_seed = list(prior["base_evals"]), list(prior["end_evals"]), list(prior["runs"])
     for seed in seeds:
         run_dir = Path(args.runs) / f"seed{seed}"
         wall = train(args, seed, run_dir)
@@ -180,8 +216,10 @@ def main() -> None:
     keys = [k for k in end[0] if isinstance(end[0][k], (int, float)) and (k.startswith("avg@") or "/" in k)]
     keys += [k for k in end[0] if k.endswith(("_accuracy", "_accept_rate")) and k not in keys]
     rows = {k: r for k in keys if (r := paired(base, end, k))}
+    seeds = [r["seed"] for r in per_seed]
     text = table(rows, seeds)
-    summary = {k: v for k, v in vars(args).items()} | {"rows": rows, "runs": per_seed}
+    summary = {k: v for k, v in vars(args).items()} | {"seeds": ",".join(map(str, seeds))}
+    summary |= {"rows": rows, "runs": per_seed}
     summary |= {"base_evals": base, "end_evals": end, "seconds": round(time.monotonic() - t0)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -43,11 +43,11 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
     return await SyncRun(args, plan).run()
 
 
-def sync_engine(rcfg: dict[str, Any], seed: int) -> Any:
-    """The sync run's one vLLM engine (not started), built as a rollout service builds its engines
-    (``teamrl.rollout.config.resolve_bases`` then ``teamrl.rollout.bases.Bases.build``) from the
-    plan's ``[rollout]`` table: the context length, KV cache, dtype and adapter versions kept that
-    the plan sized for the workflow (``teamrl.rollout.sizing``). A second builder once fell behind:
+def sync_bases(rcfg: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    """The sync run's rollout config and its one base's vLLM engine (not started), built as a rollout
+    service builds them (``teamrl.rollout.config.resolve_bases`` then ``teamrl.rollout.bases.Bases.build``)
+    from the plan's ``[rollout]`` table: the context length, KV cache, dtype and adapter versions kept
+    that the plan sized for the workflow (``teamrl.rollout.sizing``). A second builder once fell behind:
     the sync engine took vLLM's defaults, and SmolLM2's 8,192-token context did not fit its cache."""
     from teamrl.rollout.bases import Bases
     from teamrl.rollout.config import RolloutConfig, resolve_bases
@@ -56,7 +56,7 @@ def sync_engine(rcfg: dict[str, Any], seed: int) -> Any:
     bases = Bases.build(resolve_bases(cfg), seed, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype)
     if len(bases) != 1:  # several learner groups are refused before this; a frozen second base is not
         raise SystemExit(f"teamrl run --mode sync serves one base model; the plan has {sorted(bases)}")
-    return next(iter(bases.values())).engine
+    return cfg, bases
 
 
 class SyncRun:
@@ -94,15 +94,9 @@ class SyncRun:
         self.receiver = ZmqDataReceiver("tcp://127.0.0.1:*")
         incarnation = uuid.uuid4().hex[:12]
         self.sender = ZmqDataSender(self.receiver.endpoint, incarnation)
-        self.eng = sync_engine(rcfg, args.seed)
-        scale = rcfg["reward_scale"]
-        self.runner = WorkflowRunner(
-            rcfg["workflow"],
-            self.eng,
-            incarnation,
-            tasks=rcfg["tasks"],
-            reward_kwargs={"role_scale": scale} if scale else None,
-        )
+        rollout_cfg, bases = sync_bases(rcfg, args.seed)
+        self.eng = next(iter(bases.values())).engine
+        self.runner = WorkflowRunner.for_rollout(rollout_cfg, bases, incarnation)  # as a rollout service's
         self.train, self.held_out = self.runner.train, self.runner.held_out_tasks(args.eval_tasks)
         # version -> (adapter folders, probes, sha256): kept while a lagged load may still need it
         self.exported: dict[int, tuple[dict[str, Path], dict[str, Any], str]] = {}

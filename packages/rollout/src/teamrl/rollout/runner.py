@@ -80,6 +80,19 @@ class WorkflowRunner:
         self._seq = 0
         self.profile_version = -1  # -1: the workflow's own profiles; else the LangMARL version applied
 
+    @classmethod
+    def for_rollout(cls, cfg: Any, bases: Mapping[str, Any], incarnation: str) -> WorkflowRunner:
+        """The runner a rollout config asks for (``teamrl.rollout.config.RolloutConfig``: its workflow,
+        tasks and per-role reward scales) on the engines of ``bases`` (``teamrl.rollout.bases.Bases``,
+        one per base model). A rollout service and ``teamrl run --mode sync`` both build theirs here."""
+        return cls(
+            cfg.workflow,
+            {model_id: b.engine for model_id, b in bases.items()},
+            incarnation,
+            tasks=cfg.tasks,
+            reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
+        )
+
     def set_profiles(self, version: int, profiles: dict[str, str]) -> None:
         """Use these agent profiles (system prompts) from now on; episodes in flight keep theirs.
 

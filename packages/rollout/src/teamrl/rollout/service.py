@@ -164,7 +164,9 @@ class RolloutService:
         self.bases = Bases.build(
             plans, cfg.seed + self.seed_offset, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype
         )
-        self.runner = _workflow_runner(cfg, self.bases, self.incarnation)
+        from teamrl.rollout.runner import WorkflowRunner
+
+        self.runner = WorkflowRunner.for_rollout(cfg, self.bases, self.incarnation)
         self.bases.attach_appliers(self.runner, cfg.adapter_dir)
         self.evaluator = Evaluator(cfg, self.runner, self.replica)
         self.lane = RolloutLane(self.replica)
@@ -438,19 +440,6 @@ def place_replica(cfg: RolloutConfig, incarnation: str) -> tuple[int, int, int]:
     if cfg.num_replicas > 1:
         log.warning("POD_NAME has no ordinal: task sharding off, sampling seeded by incarnation")
     return 0, 1, int(incarnation.rsplit("-", 1)[-1], 16) % 2**31
-
-
-def _workflow_runner(cfg: RolloutConfig, bases: Bases, incarnation: str) -> Any:
-    """The workflow runner on the bases' engines (each agent routed to its base's engine)."""
-    from teamrl.rollout.runner import WorkflowRunner
-
-    return WorkflowRunner(
-        cfg.workflow,
-        {model_id: b.engine for model_id, b in bases.items()},
-        incarnation,
-        tasks=cfg.tasks,
-        reward_kwargs={"role_scale": dict(cfg.reward_scale)} if cfg.reward_scale else None,
-    )
 
 
 def _count_steps(trajs: Sequence[Any]) -> None:
