@@ -46,10 +46,11 @@ results: setup
 
 # The real model's results (docs/real-model.md; SmolLM2-135M-Instruct, built on first use): LangMARL's
 # judge, free text against structured outputs (about 8 minutes), profile evolution (about 17 minutes),
-# a team's held-out accuracy before and after 28 RL steps over 5 seeds (about 34 minutes a seed), and
+# a team's held-out accuracy before and after 30 minutes of RL (at most 28 steps) over 7 seeds (about 34
+# minutes a seed, 37 where the CPU lacks AMX), and
 # the team with a verifier, 30 minutes of RL over 3 seeds (about 39 minutes a seed), MARFT's anonymous
 # agents at base weights (3 seeds, about 23 minutes), and Dr. MAS against GRPO and HAPPO's factor
-# clipped, as first gradients (3 seeds of two settings each, about 35 minutes each): about 6 hours on 2
+# clipped, as first gradients (3 seeds of two settings each, about 35 minutes each): about 8 hours on 2
 # cores. Prints figures, asserts none. The learner trains in bfloat16 (REAL_MODEL_DTYPE), which needs a
 # CPU with AVX-512 BF16 or AMX (or a GPU): elsewhere it is emulated, 23x slower, and the target stops at
 # once unless REAL_MODEL_DTYPE=float32 (a different recipe from the one docs/real-model.md reports).
@@ -64,7 +65,7 @@ real-model-results: setup
 	$(PY) tests/bench/profile_evolution.py --run-dir runs/results/profile-evolution --out docs/results/profiles
 	$(PY) tests/bench/tasks/make_two_number.py --unique --low 1 --high 15 runs/results/two15.jsonl
 	$(PY) tests/bench/real_model_learning.py --tasks runs/results/two15.jsonl --runs runs/results/real-model-duo \
-		--seeds 1,2,3,4,5 --steps 28 --max-minutes 30 --set learner.dtype=$(REAL_MODEL_DTYPE) --out docs/results/real-model/duo-bf16
+		--seeds 1,2,3,4,5,6,7 --steps 28 --max-minutes 30 --set learner.dtype=$(REAL_MODEL_DTYPE) --out docs/results/real-model/duo-bf16
 	$(PY) tests/bench/real_model_learning.py --workflow tests/bench/workflows/math-trio-two-number.toml \
 		--tasks runs/results/two15.jsonl --runs runs/results/real-model-trio --seeds 1,2,3 --steps 60 --max-minutes 30 \
 		--set learner.dtype=$(REAL_MODEL_DTYPE) --out docs/results/real-model/trio-balanced

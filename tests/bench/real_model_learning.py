@@ -14,9 +14,11 @@ has one, and each run's wall time and training reward per step. Writes ``summary
         --tasks runs/two15.jsonl [--seeds 1,2,3] [--steps 28] [--lr 5e-4] [--set learner.dtype=bfloat16] \\
         [--max-minutes 30] [--out docs/results/real-model/duo-bf16] [--merge OLD/summary.json]
 
-docs/real-model.md ("Three seeds inside the window" and "28 steps in 30 minutes") gives the figures and the
-time: a seed is about 20 minutes at 12 float32 steps, about 34 at 28 bfloat16-learner steps (30 of them
-training) on 2 cores.
+docs/real-model.md ("Three seeds inside the window", "28 steps in 30 minutes" and "Seeds 6 and 7") gives
+the figures and the time: a seed is about 20 minutes at 12 float32 steps, about 34 at 28 bfloat16-learner
+steps (30 of them training) on 2 cores with AMX; where the CPU has AVX-512 BF16 but no AMX, 30 minutes
+hold about 20 steps. ``--merge`` adds the seeds of an earlier ``summary.json`` of the same settings, so
+seeds run in different sessions make one table and one interval.
 """
 
 from __future__ import annotations
