@@ -44,8 +44,8 @@ async def run_sync(args: argparse.Namespace, plan: RunPlan) -> int:
 
 
 def sync_bases(rcfg: dict[str, Any], seed: int) -> tuple[Any, Any]:
-    """The sync run's rollout config and its one base's vLLM engine (not started), built as a rollout
-    service builds them (``teamrl.rollout.config.resolve_bases`` then ``teamrl.rollout.bases.Bases.build``)
+    """The sync run's rollout config and its ``Bases``, one base whose vLLM engine is not started yet,
+    built as a rollout service builds them (``teamrl.rollout.config.resolve_bases`` then ``teamrl.rollout.bases.Bases.build``)
     from the plan's ``[rollout]`` table: the context length, KV cache, dtype and adapter versions kept
     that the plan sized for the workflow (``teamrl.rollout.sizing``). A second builder once fell behind:
     the sync engine took vLLM's defaults, and SmolLM2's 8,192-token context did not fit its cache."""
