@@ -113,7 +113,7 @@ def test_each_adapter_is_recomputed_at_its_own_temperature_and_stepped_at_its_ow
 def test_behaviour_log_probs_at_the_wrong_temperature_are_refused() -> None:
     from teamrl.learner.engine import LogprobMismatch
 
-    eng = _engine()
+    eng = _engine(logprob_min_tokens=1)  # judged however few fresh tokens the sampled episodes hold
     with pytest.raises(LogprobMismatch, match="temperature"):
         eng.train_step(_trajectories(eng, behaviour_at_t1=True), step=0, current_version=0, fresh_version=0)
 

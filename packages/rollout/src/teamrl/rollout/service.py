@@ -53,6 +53,7 @@ from teamrl.rollout.config import RolloutConfig, RolloutConfigError, resolve_bas
 from teamrl.rollout.evaluation import Evaluator
 from teamrl.rollout.heartbeat import heartbeats
 from teamrl.rollout.probe_server import ProbeServer
+from teamrl.rollout.runner import WorkflowRunner
 from teamrl.rollout.sender import Sender
 
 log = logging.getLogger("teamrl.rollout")
@@ -164,8 +165,6 @@ class RolloutService:
         self.bases = Bases.build(
             plans, cfg.seed + self.seed_offset, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype
         )
-        from teamrl.rollout.runner import WorkflowRunner
-
         self.runner = WorkflowRunner.for_rollout(cfg, self.bases, self.incarnation)
         self.bases.attach_appliers(self.runner, cfg.adapter_dir)
         self.evaluator = Evaluator(cfg, self.runner, self.replica)
