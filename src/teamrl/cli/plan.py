@@ -314,6 +314,7 @@ def _base_learner_table(base: Any, several: bool) -> dict[str, Any]:
         "lora": {"target_modules": list(base.target_modules)},  # ranks: per adapter, below
         "agents": {
             a: {"rank": r, "temperature": base.temperatures[a], **base.optimiser[a]}
+            | ({"allowed_token_ids": base.choices[a]} if a in base.choices else {})
             for a, r in base.adapters.items()
         },
         "probe_prompt": list(base.probe_prompt),

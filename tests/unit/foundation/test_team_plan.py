@@ -271,6 +271,44 @@ def test_each_adapter_gets_its_agents_temperature_and_the_workflows_optimiser_se
     assert agents["solver-lora"] == {"rank": 8, "temperature": 0.7, "clip_high": 0.3}
 
 
+def test_an_agents_choices_become_its_adapters_allowed_tokens_and_must_be_one_token_each(
+    tmp_path: Path,
+) -> None:
+    """agents.choices: planned into [learner.agents.X] allowed_token_ids (the learner normalises the
+    adapter's log-probs over them); a choice of two tokens, or agents sharing an adapter with other
+    choices, are refused before any process starts."""
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+    from teamrl.learner.config import AgentOverrides
+    from teamrl.rewards.tokenizer import CharTokenizer
+
+    model = fake_model(tmp_path / "m")
+    data = load("addition-duo").model_dump(mode="json")
+    data["agents"][1]["choices"] = ["0", "1"]
+    path = write_workflow(tmp_path / "w.toml", agents=data["agents"])
+    ids = CharTokenizer().encode("01", add_special=False)
+    assert plan_team(path, model).base.choices == {"verifier-lora": ids}
+    args = parse_args(["--workflow", str(path), "--model", str(model)], "teamrl run", None, "r")
+    agents = plan(args).config["learner"]["agents"]
+    assert (
+        agents["verifier-lora"]["allowed_token_ids"] == ids
+        and "allowed_token_ids" not in agents["solver-lora"]
+    )
+    assert AgentOverrides(**agents["verifier-lora"]).allowed_token_ids == ids
+
+    data["agents"][1]["choices"] = ["0", "10"]
+    two = write_workflow(tmp_path / "two.toml", agents=data["agents"])
+    with pytest.raises(WorkflowError, match=r"choice '10' is 2 tokens") as e:
+        plan_team(two, model)
+    assert e.value.agent == "verifier" and "two.toml" in str(e.value)
+
+    data["agents"][1]["choices"] = ["0", "1"]
+    data["agents"][1]["adapter"] = "solver-lora"  # shared with the solver, who writes free text
+    shared = write_workflow(tmp_path / "shared.toml", agents=data["agents"])
+    with pytest.raises(WorkflowError, match="share adapter 'solver-lora' but choose among"):
+        plan_team(shared, model)
+
+
 @pytest.mark.parametrize(
     "sampling,pattern",
     [

@@ -519,6 +519,47 @@ def test_response_prefix_ends_the_prompt_and_starts_the_text_that_routes_and_rew
     assert [s.reward for s in traj.steps] == [0.0, 1.0] * 3
 
 
+def test_an_agent_with_choices_samples_one_of_their_tokens_and_its_text_routes() -> None:
+    """``choices``: the verifier replies with one token among its choices (allowed_token_ids, one
+    token), after its response prefix; its reply text routes and is scored like a written verdict."""
+    d = load("addition-trio").model_dump()
+    d["agents"][1]["response_prefix"] = ""
+    d["agents"][1]["choices"] = ["0", "1"]  # the embedded vocabulary's verdicts, one character each
+    be = Scripted({"solver-lora": ["51;"], "verifier-lora": ["0"]})
+    traj = episode(Workflow.from_dict(d), be, tok=CHAR)
+    verifier_calls = [c for c in be.calls if c["adapter"] == "verifier-lora"]
+    assert {c["sampling"].allowed_token_ids for c in verifier_calls} == {
+        tuple(CHAR.encode("01", add_special=False))
+    }
+    assert {c["sampling"].max_tokens for c in verifier_calls} == {1}
+    assert all(c["sampling"].allowed_token_ids == () for c in be.calls if c["adapter"] == "solver-lora")
+    assert [s.agent_id for s in traj.steps] == ["solver", "verifier"] * 3  # "0" (wrong) routed back
+    assert [s.response_text for s in traj.steps if s.agent_id == "verifier"] == ["0"] * 3
+
+
+def test_choices_are_refused_when_too_few_repeated_with_tools_or_not_one_token() -> None:
+    from teamrl.rollout.executor import choice_token_ids
+
+    d = load("addition-trio").model_dump()
+    for bad, match in ((["0"], "two choices"), (["0", "0"], "distinct"), (["0", ""], "distinct")):
+        d["agents"][1]["choices"] = bad
+        with pytest.raises(WorkflowError, match=match) as e:
+            Workflow.from_dict(d)
+        assert e.value.agent == "verifier"
+    d["agents"][1]["choices"] = ["0", "1"]
+    d["agents"][1]["tools"] = ["calc"]
+    d["tools"] = {"calc": {"kind": "python"}}
+    with pytest.raises(WorkflowError, match="cannot call tools"):
+        Workflow.from_dict(d)
+    d["agents"][1]["tools"] = []
+    d["agents"][1]["choices"] = ["0", "12"]  # "12" is two tokens of the embedded vocabulary
+    wf = Workflow.from_dict(d)
+    with pytest.raises(WorkflowError, match="not one token") as e:
+        choice_token_ids(wf.agent("verifier"), CHAR)
+    assert e.value.agent == "verifier"
+    assert choice_token_ids(wf.agent("solver"), CHAR) == ()
+
+
 def test_with_profiles_changes_the_prompts_and_the_episode_records_the_version() -> None:
     d = _wf()
     d["agents"][0]["profile"] = "You propose."

@@ -259,3 +259,59 @@ def test_each_agent_records_log_probs_at_its_own_temperature(setup) -> None:
     print(f"max |vLLM - transformers| at each agent's temperature {worst:.2e}; at T = 1 {worst_at_t1:.2e}")
     assert worst < ATOL
     assert worst_at_t1 > 100 * ATOL  # the check can tell the temperatures apart
+
+
+def test_an_agent_that_chooses_records_log_probs_among_its_choices(setup) -> None:
+    """``agents.choices``: vLLM samples one token among the choices (allowed_token_ids), and the
+    behaviour log-prob it records is the distribution over the choices at the agent's temperature,
+    the one the learner recomputes (tests/unit/learner/test_choice_logprobs.py), not the vocabulary's."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from teamrl.rewards.addition import make_task
+    from teamrl.rewards.tokenizer import CharTokenizer
+    from teamrl.rollout.executor import run_episode
+    from teamrl.rollout.workflow import Workflow
+
+    spec = copy.deepcopy(DAG)
+    spec["agents"] = spec["agents"][:2]
+    spec["graph"] = {"kind": "static", "edges": [["solver", "verifier"]]}
+    spec["agents"][1].update(choices=["2", "5", "7"], adapter="")
+    spec["agents"][1]["sampling"]["temperature"] = 1.5
+    wf = Workflow.from_dict(spec, max_lora_rank=setup["engine"].cfg.max_lora_rank)
+    tok = CharTokenizer()
+    allowed = tok.encode("257", add_special=False)
+    tasks = [make_task(a, (a * 13) % 100) for a in range(0, 100, 9)]
+
+    async def many():
+        return await asyncio.gather(
+            *[
+                run_episode(
+                    wf, t, setup["engine"], tokenizers=tok, seed=i, incarnation="t", seq=i, group_id="g"
+                )
+                for i, t in enumerate(tasks)
+            ]
+        )
+
+    base = AutoModelForCausalLM.from_pretrained(setup["model_dir"], dtype=torch.float32).eval()
+    worst, worst_unrestricted, chosen = 0.0, 0.0, set()
+    for t in setup["loop"].run_until_complete(many()):
+        (s,) = [s for s in t.steps if s.agent_id == "verifier"]
+        assert len(s.response_ids) == 1 and int(s.response_ids[0]) in allowed
+        chosen.add(int(s.response_ids[0]))
+        ids = torch.tensor([s.prompt_ids.tolist()])
+        with torch.no_grad():
+            logits = base(ids).logits[0, -1].float() / 1.5
+        among = torch.log_softmax(logits[allowed], -1)[allowed.index(int(s.response_ids[0]))].item()
+        whole = torch.log_softmax(logits, -1)[int(s.response_ids[0])].item()
+        worst = max(worst, abs(among - float(s.logprobs[0])))
+        worst_unrestricted = max(worst_unrestricted, abs(whole - float(s.logprobs[0])))
+    print(
+        f"choices: max |vLLM - among choices| {worst:.2e}; against the whole vocabulary {worst_unrestricted:.2e}"
+    )
+    assert worst < ATOL
+    # the restriction is in the recorded log-prob: the verifier's own verdicts (0, 1) are not choices
+    assert worst_unrestricted > 100 * ATOL
+    assert len(chosen) >= 2  # sampled, not a fixed reply

@@ -57,6 +57,12 @@ class AgentOverrides(_Strict):
     )
     kl_coef: float | None = Field(None, ge=0, description="β of this adapter's KL-to-reference term")
     micro_batch_rows: int | None = Field(None, ge=1, description="rows per forward/backward of this adapter")
+    allowed_token_ids: list[int] | None = Field(
+        None,
+        min_length=2,
+        description="the only tokens this adapter's agents sample (the workflow's agents.choices): its "
+        "log-probs are normalised over them; None = the whole vocabulary",
+    )
 
 
 class LoraSettings(_Strict):
@@ -360,6 +366,7 @@ class LearnerConfig(_Strict):
             "temperature": pick("temperature"),
             "kl_coef": pick("kl_coef"),
             "micro_batch_rows": pick("micro_batch_rows"),
+            "allowed_token_ids": tuple(o.allowed_token_ids) if o.allowed_token_ids else None,
         }
 
 

@@ -16,6 +16,10 @@ Design decisions:
   row): the memory of a pass is bounded by the micro-batch, not by the sample, and a batch of long
   text rows is cut finer than one of short ones. Consecutive rows, in order: the loss is normalised
   over the whole batch (``loss_share``), so the cut changes no update beyond float rounding.
+* **Agents that choose are scored among their choices.** An adapter whose agents reply with one of a
+  few tokens (the workflow's ``agents.choices``, sampled by vLLM under ``allowed_token_ids``) has its
+  log-probs normalised over those tokens only (the others' logits pushed to ``OUTSIDE``), as vLLM's
+  processed log-probs are: the policy the learner improves is the one that sampled.
 * **Log-probs in chunks, never [rows, tokens, vocabulary] at once.** The model returns its last
   hidden states (``logits_to_keep=1``: no full-vocabulary logits); the response positions' log-probs
   are computed ``LOGIT_CHUNK_TOKENS`` tokens at a time (LM head, temperature, log-softmax, gather),
@@ -46,6 +50,7 @@ __all__ = ["LogprobPasses", "LOGIT_CHUNK_TOKENS"]
 # at 4 rows on SmolLM2-135M, measured); an index gathers a contiguous [rows, 1, hidden] first.
 _LAST_POSITION = torch.tensor([-1])
 LOGIT_CHUNK_TOKENS = 1024  # response tokens whose logits exist at once: 1024 x 49,152 float32 = 192 MiB
+OUTSIDE = -1e30  # added to the logits of tokens an agent cannot choose (finite: see _outside_choices)
 
 
 class LogprobPasses:
@@ -133,12 +138,15 @@ class LogprobPasses:
         each chunk is checkpointed (its logits recomputed in the backward, never kept)."""
         head = self.net.model.get_base_model().get_output_embeddings()
         temperature = self._temperature(batch, idx, adapter)
+        outside = self._outside_choices(batch, idx, adapter, head.weight.shape[0])
 
         def part(h: Tensor, r: Tensor) -> Tensor:
             # 2-D and contiguous: a chunk is a strided view (see _LAST_POSITION for the cost)
             logits = head(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1).float()
             if temperature is not None:
                 logits = logits / temperature
+            if outside is not None:
+                logits = logits + outside
             return torch.log_softmax(logits, dim=-1).gather(-1, r[..., None]).squeeze(-1)
 
         step = max(1, LOGIT_CHUNK_TOKENS // max(1, sel.shape[0]))
@@ -205,6 +213,29 @@ class LogprobPasses:
         if bool((temps == 1.0).all()):
             return None
         return temps.to(self.net.device)[:, None, None]
+
+    def _outside_choices(
+        self, batch: RowBatch, idx: Tensor, adapter: str | None, vocab: int
+    ) -> Tensor | None:
+        """What the logits of rows ``idx`` get added so that only their agents' choices can be sampled
+        (module docstring): ``OUTSIDE`` on every other token of a row whose adapter has
+        ``allowed_token_ids``, 0 elsewhere ([1 or n, 1, vocab] on the device); None where no row chooses.
+        A large finite value, not -inf: a padding token outside the choices then has a finite log-prob
+        that the response mask zeroes (-inf x 0 would be NaN)."""
+        names = [adapter] if adapter is not None else [batch.adapter_of_row[i] for i in idx.tolist()]
+        allowed = [self.adapters[a].allowed_token_ids for a in names]
+        if not any(allowed):
+            return None
+        out = torch.zeros((len(names), 1, vocab), dtype=torch.float32)
+        for row, ids in enumerate(allowed):
+            if ids:
+                if max(ids) >= vocab or min(ids) < 0:
+                    raise LearnerError(
+                        f"allowed_token_ids {list(ids)} outside the model's vocabulary ({vocab})"
+                    )
+                out[row, 0, :] = OUTSIDE
+                out[row, 0, list(ids)] = 0.0
+        return out.to(self.net.device)
 
     @torch.no_grad()
     def sample(

@@ -60,7 +60,9 @@ def config_default(name: str, model: type[BaseModel] = LearnerConfig) -> Any:
 class AdapterSettings:
     """Settings of one adapter (resolved from the config's per-agent overrides, Dr. MAS): its
     optimiser (lr, clip range), the temperature its agents sample at (its log-probs use logits / T), its
-    KL coefficient and micro-batch size. ``None`` takes the engine-wide value."""
+    KL coefficient and micro-batch size, and the tokens its agents choose among (``allowed_token_ids``:
+    its log-probs are normalised over them). ``None`` takes the engine-wide value (for the choices: the
+    whole vocabulary)."""
 
     lr: float
     clip_low: float
@@ -68,6 +70,7 @@ class AdapterSettings:
     temperature: float | None = config_default("temperature", AgentOverrides)
     kl_coef: float | None = config_default("kl_coef", AgentOverrides)
     micro_batch_rows: int | None = config_default("micro_batch_rows", AgentOverrides)
+    allowed_token_ids: tuple[int, ...] | None = config_default("allowed_token_ids", AgentOverrides)
 
 
 @dataclass(frozen=True)

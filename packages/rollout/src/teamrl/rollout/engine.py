@@ -52,6 +52,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: fixed-length responses
     json_schema: dict[str, Any] | None = None  # vLLM structured outputs: the response is this JSON (judge)
+    allowed_token_ids: tuple[int, ...] = ()  # sample only these (an agent's one-token choices); () = all
 
 
 def _structured(schema: dict[str, Any] | None) -> Any:
@@ -197,6 +198,7 @@ class RolloutEngine:
             ignore_eos=sampling.ignore_eos,
             seed=seed,
             structured_outputs=_structured(sampling.json_schema),
+            allowed_token_ids=list(sampling.allowed_token_ids) or None,
         )
         lora, entry = self._lora(adapter)
         version = entry.version if entry else 0

@@ -118,13 +118,35 @@ def _sampling(agent: AgentSpec, tok: Tokenizer, has_tools: bool) -> tuple[Any, l
         enc = tok.encode(s, add_special=False)
         if len(enc) == 1 and enc[0] not in ids:
             ids.append(enc[0])
+    choices = choice_token_ids(agent, tok)
     samp = Sampling(
-        max_tokens=agent.sampling.max_tokens,
+        max_tokens=1 if choices else agent.sampling.max_tokens,
         temperature=agent.sampling.temperature,
         top_p=agent.sampling.top_p,
         stop_token_ids=tuple(ids),
+        allowed_token_ids=choices,
     )
     return samp, stops
+
+
+def choice_token_ids(agent: AgentSpec, tok: Tokenizer) -> tuple[int, ...]:
+    """The token of each of ``agent.choices`` (() for a free-text agent). Each choice must be exactly
+    one token that decodes back to it: the agent samples one token among them, and the learner
+    normalises its log-probs over the same ids (docs/workflows.md, "choices")."""
+    ids: list[int] = []
+    for text in agent.choices:
+        enc = tok.encode(text, add_special=False)
+        if len(enc) != 1 or tok.decode(enc) != text:
+            raise WorkflowError(
+                f"agent {agent.id!r}: choice {text!r} is {len(enc)} tokens of the model "
+                f"({enc[:8]}), not one token that decodes back to it; a choice must be one token "
+                "(e.g. ' correct' with its leading space, after a response_prefix)",
+                agent=agent.id,
+            )
+        ids.append(enc[0])
+    if len(set(ids)) != len(ids):
+        raise WorkflowError(f"agent {agent.id!r}: choices {agent.choices} share a token", agent=agent.id)
+    return tuple(ids)
 
 
 def _cut_at_stop(

@@ -96,6 +96,13 @@ class AgentSpec(_Strict):
         "of the response text that routes, other agents and the reward read; e.g. 'VERDICT:' makes a "
         "verifier choose its verdict before anything else",
     )
+    choices: list[str] = Field(
+        default_factory=list,
+        description="the only replies the agent may give, each one token of its model (checked by "
+        "`teamrl workflow check`): it samples one token among them (vLLM allowed_token_ids) and the "
+        "learner normalises its log-probs over the same tokens; e.g. [' correct', ' wrong'] after "
+        "response_prefix 'VERDICT:' makes every verdict parse and both verdicts explorable. [] = free text",
+    )
 
 
 class NodeSpec(_Strict):

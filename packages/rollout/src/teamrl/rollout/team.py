@@ -33,7 +33,7 @@ from typing import Any
 
 from teamrl.rewards.tokenizer import Tokenizer, TokenizerError, tokenizer_for
 from teamrl.rollout import sizing
-from teamrl.rollout.executor import _Missing, _prompt_ids, _TaskView
+from teamrl.rollout.executor import _Missing, _prompt_ids, _TaskView, choice_token_ids
 from teamrl.rollout.spec import WorkflowError
 from teamrl.rollout.workflow import Workflow
 
@@ -54,6 +54,7 @@ class BasePlan:
     shared_by: dict[str, list[str]]  # adapter -> the agents that share it
     target_modules: list[str]
     temperatures: dict[str, float]  # adapter -> the temperature its agents sample at
+    choices: dict[str, list[int]]  # adapter -> the only tokens its agents sample (agents.choices), if any
     optimiser: dict[str, dict[str, float]]  # adapter -> the workflow's [adapters.X] learner settings
     max_lora_rank: int  # what the rollout's vLLM engine for this base is started with
     probe_prompt: list[int]  # built with this base's tokenizer
@@ -212,6 +213,8 @@ def plan_team(
         raise WorkflowError(f"{where}: {len(train)} training and {len(held)} held-out tasks: need both")
     toks = {m: tokenizer if tokenizer is not None else _tokenizer(d) for m, d in dirs.items()}
     prompts = {a.id: _encoded_prompt(wf, a.id, toks[a.model], held[0], where) for a in wf.agents}
+    for a in wf.agents:
+        _choices(a, toks[a.model], where)
     contexts = _contexts(wf, dirs, toks, train[:SIZING_TASKS] + held[:SIZING_TASKS], where)
     bases: dict[str, BasePlan] = {}
     for model_id in dict.fromkeys(a.model for a in trained):
@@ -307,6 +310,7 @@ def _base_plan(
         shared_by=shared_by,
         target_modules=lora_targets(model_dir),
         temperatures=_adapter_temperatures(trained, where),
+        choices=_adapter_choices(trained, tok, where),
         optimiser={a: wf.adapters[a].learner_settings() for a in adapters},
         max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= top),
         probe_prompt=prompts[trained[0].id],
@@ -346,6 +350,36 @@ def _adapter_temperatures(trained: list[Any], where: str) -> dict[str, float]:
         temps.setdefault(adapter, t)
         first.setdefault(adapter, a.id)
     return temps
+
+
+def _choices(agent: Any, tok: Tokenizer, where: str) -> list[int]:
+    """The agent's choice tokens (:func:`teamrl.rollout.executor.choice_token_ids`), errors named."""
+    try:
+        return list(choice_token_ids(agent, tok))
+    except WorkflowError as e:
+        raise WorkflowError(f"{where}: {e}", agent=agent.id) from None
+
+
+def _adapter_choices(trained: list[Any], tok: Tokenizer, where: str) -> dict[str, list[int]]:
+    """adapter -> its agents' choice tokens, for adapters whose agents choose (agents.choices). The
+    learner normalises an adapter's log-probs over one set of tokens, so agents that share an adapter
+    choose among the same ones, or all write free text."""
+    out: dict[str, list[int]] = {}
+    first: dict[str, Any] = {}
+    for a in trained:
+        ids = _choices(a, tok, where)
+        if a.adapter in first and ids != out.get(a.adapter, []):
+            raise WorkflowError(
+                f"{where}: agents {first[a.adapter].id!r} and {a.id!r} share adapter {a.adapter!r} but "
+                f"choose among {first[a.adapter].choices or 'free text'} and {a.choices or 'free text'}; "
+                "the learner normalises an adapter's log-probs over one set of tokens (give them the "
+                "same choices, or each its own adapter)",
+                agent=a.id,
+            )
+        first.setdefault(a.adapter, a)
+        if ids:
+            out[a.adapter] = ids
+    return out
 
 
 def _tokenizer(model_dir: Path) -> Tokenizer:

@@ -109,12 +109,29 @@ def _validate_agent(
                 f"workflow {name!r}: agent {a.id!r} uses unknown tool {t!r} (tools: {sorted(tools)})",
                 agent=a.id,
             )
+    _validate_choices(name, a)
     if a.output not in OUTPUT_VIEWS and ":" not in a.output:
         raise WorkflowError(
             f"workflow {name!r}: agent {a.id!r}: unknown output view {a.output!r} "
             f"(known: {sorted(OUTPUT_VIEWS)}, or 'module:function')",
             agent=a.id,
         )
+
+
+def _validate_choices(name: str, a: AgentSpec) -> None:
+    """An agent's ``choices``: two or more distinct non-empty texts, and no tools (a reply is one
+    token). That each is one token of the agent's model is checked by the plan (it has the tokenizer)."""
+    if not a.choices:
+        return
+    problem = ""
+    if len(a.choices) < 2:
+        problem = "needs two choices at least (one leaves nothing to choose or to learn)"
+    elif len(set(a.choices)) != len(a.choices) or not all(a.choices):
+        problem = "choices must be distinct, non-empty texts"
+    elif a.tools:
+        problem = "an agent with choices replies with one token and cannot call tools"
+    if problem:
+        raise WorkflowError(f"workflow {name!r}: agent {a.id!r} choices {a.choices}: {problem}", agent=a.id)
 
 
 def _validate_tables(
