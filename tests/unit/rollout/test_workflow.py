@@ -165,6 +165,13 @@ def test_pydantic_field_errors_become_workflow_errors_naming_the_agent(tmp_path:
     with pytest.raises(WorkflowError, match=r"agents\.1\.sampling\.temperature \(agent 'b'\)") as ei:
         Workflow.from_dict(d)
     assert ei.value.agent == "b"
+    d["agents"][1]["sampling"] = {
+        "temperature": 3.0
+    }  # vLLM samples at 2 at most: refused here, not per episode
+    with pytest.raises(
+        WorkflowError, match=r"agents\.1\.sampling\.temperature \(agent 'b'\).*less than or equal to 2"
+    ):
+        Workflow.from_dict(d)
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\nmodels = {}\nagents = []\n')
     with pytest.raises(WorkflowError, match=r"bad\.toml: workflow 'x': no agents"):

@@ -43,7 +43,7 @@ class SamplingSpec(_Strict):
     """Per-agent sampling (the agent profile's serving config)."""
 
     max_tokens: int = Field(256, ge=1, description="most tokens sampled per step (per tool round)")
-    temperature: float = Field(1.0, ge=0, description="0 is greedy")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy; 2 is the most vLLM samples at")
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list, description="stop strings (kept in the response)")
     stop_token_ids: list[int] = Field(default_factory=list, description="stop token ids (e.g. EOS)")
