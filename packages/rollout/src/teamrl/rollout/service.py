@@ -59,6 +59,20 @@ from teamrl.rollout.sender import Sender
 log = logging.getLogger("teamrl.rollout")
 
 
+def failure_exit_code(e: BaseException) -> tuple[int, str]:
+    """(exit code, reason) of an episode failure that every later episode would meet too, else (0, ""):
+    a dead vLLM engine (it cannot recover; 3: a supervisor restarts the service), or a request vLLM
+    refuses as invalid (a sampling setting out of its range: 2, the code of a config error, which
+    `teamrl run` does not restart: docs/reliability.md). Failures of one episode (a reward, a tool)
+    return 0: the service logs them, counts the group abandoned and goes on."""
+    name = type(e).__name__
+    if name == "EngineDeadError":
+        return 3, "a vLLM engine died"
+    if name == "VLLMValidationError":
+        return 2, "vLLM refuses the workflow's requests (a config error: no restart can fix it)"
+    return 0, ""
+
+
 class VersionBudget:
     """AReaL's staleness control on the producer side: the rollout stays at most ``per_version``
     groups ahead of the learner. It may start that many; each version a learner advanced (with
@@ -160,7 +174,7 @@ class RolloutService:
             buffer, self.incarnation, cfg.window, self.transport.client_curve("rollout", "buffer_data")
         )
         self.sender.flush_timeout_s = cfg.flush_timeout_s
-        self.fatal = False  # an engine died: exit non-zero so a supervisor restarts the service
+        self.fatal = 0  # the exit code a failure no episode can survive asks for (failure_exit_code)
         self.replica, self.num_replicas, self.seed_offset = place_replica(cfg, self.incarnation)
         self.bases = Bases.build(
             plans, cfg.seed + self.seed_offset, cfg.keep_versions, cfg.kv_cache_bytes, cfg.dtype
@@ -259,13 +273,14 @@ class RolloutService:
         self.evaluator.maybe_write_sample(list(trajs))
 
     def _group_failed(self, e: Exception, group_no: int, task: dict) -> None:
-        """A dead engine (any base: vLLM cannot recover) stops the service with exit code 3, for a
-        supervisor to restart it; any other failure is logged and generation goes on."""
-        if type(e).__name__ == "EngineDeadError":
+        """A failure every episode would meet (:func:`failure_exit_code`) drains the service, which
+        exits with its code; any other is logged and generation goes on."""
+        rc, why = failure_exit_code(e)
+        if rc:
             if not self.fatal:
-                log.error("a vLLM engine died (%s): draining and exiting with code 3", e)
-            self.fatal = True
-            self.request_stop("engine dead")
+                log.error("%s (%s): draining and exiting with code %d", why, e, rc)
+            self.fatal = rc
+            self.request_stop(why)
             return
         log.exception("group %d (task %s) failed: %s", group_no, task.get("id"), e)
 
@@ -373,7 +388,7 @@ class RolloutService:
             self.sender.lost,
         )
         if self.fatal:
-            return 3
+            return self.fatal
         return 0 if self.sender.lost == 0 else 1
 
     def _handle_signals(self) -> None:
