@@ -273,8 +273,7 @@ class RolloutService:
         self.evaluator.maybe_write_sample(list(trajs))
 
     def _group_failed(self, e: Exception, group_no: int, task: dict) -> None:
-        """A failure every episode would meet (:func:`failure_exit_code`) drains the service, which
-        exits with its code; any other is logged and generation goes on."""
+        """A failure every episode meets (:func:`failure_exit_code`) drains the service; others are logged."""
         rc, why = failure_exit_code(e)
         if rc:
             if not self.fatal:
