@@ -91,6 +91,28 @@ def test_one_trajectory_spanning_too_many_versions_is_stale():
     assert buf.insert([t]).stale == (1 if len(t.steps) > 1 else 0)
 
 
+def test_steps_on_base_weights_never_make_a_trajectory_stale():
+    """A step sampled without an adapter records version 0 however late it ran, and no update changes
+    its policy: only the trained steps' versions lag (``buffer_items.item_versions``). Before, a team
+    with a base-weights planner and solver beside a trained verifier had every episode dropped once the
+    learner passed version max_policy_lag + 1."""
+    buf = make(max_policy_lag=1)
+    buf.insert(trajs(1, version=3))
+    (late,) = trajs(1, version=3, seed=1)
+    (old,) = trajs(1, version=1, seed=2)
+    for t in (late, old):
+        for s in t.steps[1:]:  # the critic and the judge act on base weights
+            s.adapter, s.policy_version = "", 0
+    res = buf.insert([late, old])
+    assert res.stale == 1 and [r.episode_id for _, r in res.accepted] == ["ep-1-0"]  # old: its solver lags 2
+    out = buf.sample(2, min_policy_version=2)  # and the sample-time sweep judges it the same way
+    assert ids(out) == ["ep-0-0", "ep-1-0"] and buf.evicted["stale"] == 0
+    (untrained,) = trajs(1, version=0, seed=3)
+    for s in untrained.steps:
+        s.adapter = ""
+    assert buf.insert([untrained]).stale == 1  # no trained step: judged by all its steps, as before
+
+
 def test_downweight_keeps_stale_data_with_a_smaller_weight():
     buf = make(max_policy_lag=2, stale_action="downweight", stale_decay=0.5)
     buf.insert(trajs(1, version=10))

@@ -81,7 +81,7 @@ from teamrl.learner.buffer_errors import VersionOutOfRange as VersionOutOfRange
 from teamrl.learner.buffer_groups import PRIORITY_EPS as PRIORITY_EPS
 from teamrl.learner.buffer_groups import GroupOrder, HeldGroups, PendingGroups, fill
 from teamrl.learner.buffer_ids import KnownIds
-from teamrl.learner.buffer_items import Group, Item
+from teamrl.learner.buffer_items import Group, Item, item_versions
 from teamrl.learner.buffer_ratelimit import RateLimiter
 from teamrl.learner.buffer_sources import Sources
 from teamrl.learner.buffer_state import STATE_FORMAT as STATE_FORMAT
@@ -336,8 +336,8 @@ class ReplayBuffer:
         for r, per_model in zip(rows, models, strict=True):
             self.versions.observe(r.versions(-1)[1], per_model)
         res = InsertResult([])
-        for r, per_model in zip(rows, models, strict=True):
-            lo, hi = r.versions(self.current_version)
+        for r in rows:
+            lo, hi, per_model = item_versions(r, self.current_version)  # its trained steps'
             lag = self.versions.lag(per_model)
             if self.versions.refuses(lag):
                 self.count_rejected("stale")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from teamrl.learner.buffer_errors import CorruptStore
-from teamrl.learner.buffer_items import Group, Item
+from teamrl.learner.buffer_items import Group, Item, item_versions
 from teamrl.learner.buffer_views import WHOLE, rounds_of
 from teamrl.protocol.codec import TrajectoryRow
 
@@ -110,6 +110,6 @@ def _items(entries: list[list[Any]], trajectories: Mapping[int, TrajectoryRow]) 
         t = trajectories.get(int(key))
         if t is None:
             raise CorruptStore(f"checkpoint holds key {key} but no segment row has it")
-        lo, hi = t.versions(-1)
-        out.append(Item(int(key), t, lo, hi, t.steps_per_agent(), dict(sampled), t.versions_per_model()))
+        lo, hi, per_model = item_versions(t, -1)
+        out.append(Item(int(key), t, lo, hi, t.steps_per_agent(), dict(sampled), per_model))
     return out

@@ -618,6 +618,7 @@ class TrajectoryBatch:
         self.has_steps = has
         self._objects: list[GraphTrajectory] | None = None
         self._models: tuple[np.ndarray, list[str]] | None = None  # step_strings("model_id"), on demand
+        self._trained: np.ndarray | None = None  # per step: sampled with an adapter, on demand
 
     @classmethod
     def from_trajectories(cls, trajectories: Sequence[GraphTrajectory]) -> TrajectoryBatch:
@@ -640,9 +641,11 @@ class TrajectoryBatch:
             out[agent] = out.get(agent, 0) + 1
         return out
 
-    def versions_per_model(self, i: int) -> dict[str, tuple[int, int]]:
+    def versions_per_model(self, i: int, trained_only: bool = False) -> dict[str, tuple[int, int]]:
         """Row ``i``'s (min, max) step ``policy_version`` per step ``model_id`` (base model); {}
-        without steps. From the columns: the model column is dictionary-encoded once per batch."""
+        without steps. ``trained_only``: over the steps sampled with an adapter only (``adapter`` not
+        ''; a step on base weights records version 0 however late it ran). From the columns: the
+        model and adapter columns are dictionary-encoded once per batch."""
         a, b = int(self.step_offsets[i]), int(self.step_offsets[i + 1])
         if a == b:
             return {}
@@ -651,6 +654,12 @@ class TrajectoryBatch:
         codes, labels = self._models
         c = codes[a:b]
         v = self.step_numpy("policy_version")[a:b]
+        if trained_only:
+            if self._trained is None:  # [steps] bool: sampled with an adapter
+                a_codes, a_labels = self.step_strings("adapter")
+                self._trained = np.asarray([bool(x) for x in a_labels], dtype=bool)[a_codes]
+            keep = self._trained[a:b]
+            c, v = c[keep], v[keep]
         out: dict[str, tuple[int, int]] = {}
         for k in np.unique(c):
             sel = v[c == k]
@@ -710,9 +719,10 @@ class TrajectoryRow:
     def steps_per_agent(self) -> dict[str, int]:
         return self.batch.steps_per_agent(self.index)
 
-    def versions_per_model(self) -> dict[str, tuple[int, int]]:
-        """(min, max) policy version of the steps per base model id; {} without steps."""
-        return self.batch.versions_per_model(self.index)
+    def versions_per_model(self, trained_only: bool = False) -> dict[str, tuple[int, int]]:
+        """(min, max) policy version of the steps per base model id; {} without steps.
+        ``trained_only``: of the steps sampled with an adapter only."""
+        return self.batch.versions_per_model(self.index, trained_only)
 
     def trajectory(self) -> GraphTrajectory:
         return self.batch.trajectory(self.index)
