@@ -148,9 +148,15 @@ def test_config_resolves_each_adapter_from_its_override_else_the_learner_value()
         "temperature": 0.5,
         "kl_coef": 0.0,
         "micro_batch_rows": 4,
+        "allowed_token_ids": None,
     }
     hot = cfg.adapter_settings(HOT)
     assert (hot["lr"], hot["temperature"], hot["kl_coef"], hot["micro_batch_rows"]) == (3e-4, 0.9, 0.01, 16)
     assert cfg.dtype == "auto" and EngineSettings.config_kwargs(cfg)["dtype"] == "auto"
     eng_settings = EngineSettings.config_kwargs(cfg)["adapter_settings"]
     assert eng_settings[COLD].temperature == 0.5 and eng_settings[HOT].temperature == 0.9
+    chooser = LearnerConfig.model_validate(
+        {**cfg.model_dump(), "agents": {COLD: {"allowed_token_ids": [7, 5]}}}
+    )
+    assert chooser.adapter_settings(COLD)["allowed_token_ids"] == (7, 5)
+    assert chooser.adapter_settings(HOT)["allowed_token_ids"] is None
