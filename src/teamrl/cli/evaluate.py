@@ -233,6 +233,17 @@ def _served_as(subs: dict[str, Path], serve: list[tuple[str, str]]) -> dict[str,
     return out
 
 
+def _temperature(text: str) -> float:
+    """``--temperature``, refused before any engine starts where vLLM would refuse every request."""
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= t <= 2.0:
+        raise argparse.ArgumentTypeError(f"a temperature from 0 to 2 (as vLLM samples), got {t}")
+    return t
+
+
 def _pair(text: str) -> tuple[str, str]:
     name, sep, other = text.partition("=")
     if not sep or not name or not other:
@@ -281,9 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", default="1,4,8", help="comma-separated k of pass@k (each <= n)")
     p.add_argument(
         "--temperature",
-        type=float,
+        type=_temperature,
         default=None,
-        help="sampling temperature of every agent (0: greedy); default: each agent's own, from the workflow",
+        help="sampling temperature of every agent, 0 to 2 (0: greedy; vLLM refuses more than 2); "
+        "default: each agent's own, from the workflow",
     )
     p.add_argument("--success", type=float, default=1.0, help="trajectory reward that counts as solved")
     p.add_argument("--seed", type=int, default=0)

@@ -40,6 +40,18 @@ def _random_adapters(model_dir: Path, names: list[str], out: Path) -> None:
     peft.save_pretrained(out)  # -> out/<name> for each name (none is "default")
 
 
+def test_eval_refuses_a_temperature_vllm_would_refuse_before_any_engine_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from teamrl.cli.evaluate import build_parser
+
+    for bad in ("3", "-0.5", "hot"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["--workflow", "w", "--temperature", bad])
+        assert e.value.code == 2 and "--temperature" in capsys.readouterr().err
+    assert build_parser().parse_args(["--workflow", "w", "--temperature", "2"]).temperature == 2.0
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.usefixtures("embedded_model")

@@ -68,3 +68,14 @@ def test_the_config_fills_every_setting_from_its_field_of_the_same_name() -> Non
         if hasattr(cfg, name) and name != "adapter_settings":
             assert value == getattr(cfg, name), name
     assert s.adapter_settings["b"].lr == 1e-3 and s.adapter_settings["a"].lr == cfg.lr
+
+
+def test_an_adapters_choices_are_distinct_token_ids() -> None:
+    from pydantic import ValidationError
+
+    base = {"adapters": ["a"], "probe_prompt": [1], "probe_completion": [2]}
+    for ids, why in (([5, 5], "distinct"), ([5, -1], "distinct"), ([5], "at least 2")):
+        with pytest.raises(ValidationError, match=why):
+            LearnerConfig(**base, agents={"a": {"allowed_token_ids": ids}})
+    s = EngineSettings.from_config(LearnerConfig(**base, agents={"a": {"allowed_token_ids": [7, 5]}}))
+    assert s.adapter_settings["a"].allowed_token_ids == (7, 5)

@@ -64,6 +64,13 @@ class AgentOverrides(_Strict):
         "log-probs are normalised over them; None = the whole vocabulary",
     )
 
+    @model_validator(mode="after")
+    def _distinct_choices(self) -> AgentOverrides:
+        ids = self.allowed_token_ids
+        if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
+            raise ValueError(f"allowed_token_ids must be distinct token ids (>= 0), got {ids}")
+        return self
+
 
 class LoraSettings(_Strict):
     """One LoRA adapter per adapter name, all with the same shape (PEFT ``LoraConfig``)."""
