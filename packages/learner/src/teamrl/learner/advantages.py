@@ -318,22 +318,25 @@ def outcome_advantages(
     turn_ids: Tensor,
     singleton: SingletonRule = "batch",
     eps: float = 1e-6,
+    scale: bool = True,
 ) -> Tensor:
     """One outcome advantage per row [B] under the config's ``algorithm`` (docs/algorithms.md §1).
 
     grpo: (group) normalised; dr_grpo: (group) centred, unscaled; drmas: (group, agent) normalised;
     at_grpo: (group, agent, turn) normalised; grpo_trajectory: trajectory means normalised per group.
+    ``scale=False`` (``learner.advantage_std = false``) centres without dividing by the group's std, as
+    Dr. GRPO does, for any grouping (dr_grpo is always unscaled).
     """
     advantage_groups(algorithm, group_ids, agent_ids, traj_ids, turn_ids)  # validates the name
     if algorithm == "drmas":
-        return agentwise_advantages(rewards, group_ids, agent_ids, eps, singleton=singleton)
+        return agentwise_advantages(rewards, group_ids, agent_ids, eps, scale, singleton=singleton)
     if algorithm == "at_grpo":
         return agentwise_advantages(
-            rewards, group_ids, agent_ids, eps, singleton=singleton, turn_ids=turn_ids
+            rewards, group_ids, agent_ids, eps, scale, singleton=singleton, turn_ids=turn_ids
         )
     if algorithm == "grpo_trajectory":
-        return trajectory_advantages(rewards, group_ids, traj_ids, eps, singleton=singleton)
-    return grpo_advantages(rewards, group_ids, eps, scale=algorithm == "grpo", singleton=singleton)
+        return trajectory_advantages(rewards, group_ids, traj_ids, eps, scale, singleton=singleton)
+    return grpo_advantages(rewards, group_ids, eps, scale and algorithm == "grpo", singleton=singleton)
 
 
 def broadcast_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:

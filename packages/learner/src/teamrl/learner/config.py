@@ -150,6 +150,13 @@ class LearnerConfig(_Strict):
         "batch = normalised against its agent's rows in the batch (drmas, at_grpo) or the whole batch "
         "(grpo, dr_grpo); zero = advantage 0; raw = verl's R/(1+eps), the unnormalised reward",
     )
+    advantage_std: bool = Field(
+        True,
+        description="divide each baseline group's centred rewards by the group's std (GRPO, Dr. MAS); "
+        "false: centred only, as Dr. GRPO (dr_grpo is always unscaled). Unscaled, a reward's own "
+        "weights survive: outcome's balance_verdicts (docs/real-model.md, 'The group's std undoes a "
+        "balanced verdict reward')",
+    )
     reward_source: Literal["step", "trajectory"] = Field(
         "step", description="reward of a row: the agent step's own reward, or the team reward"
     )

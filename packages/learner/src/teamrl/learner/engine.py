@@ -235,7 +235,7 @@ class LearnerEngine:
         if self.net.critic is not None:
             return critic_advantages(self.passes, rows, self.settings, self.adapter_settings)
         batch, obj = rows.batch, self.settings.objective
-        adv = outcome(batch, obj.algorithm, obj.singleton_advantage)
+        adv = outcome(batch, obj.algorithm, obj.singleton_advantage, obj.advantage_std)
         groups = advantage_groups(
             obj.algorithm, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx
         )

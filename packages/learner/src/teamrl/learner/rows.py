@@ -320,19 +320,20 @@ def row_advantages(
     batch: RowBatch,
     algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"],
     singleton: Literal["batch", "zero", "raw"] = "batch",
+    scale: bool = True,
 ) -> Tensor:
     """Outcome advantage of every row [N] (:func:`teamrl.learner.advantages.outcome_advantages`)."""
-    return outcome_advantages(
-        algorithm, batch.rewards, batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx, singleton
-    )
+    ids = (batch.group_idx, batch.agent_idx, batch.traj_idx, batch.turn_idx)
+    return outcome_advantages(algorithm, batch.rewards, *ids, singleton, scale=scale)
 
 
 def outcome(
     batch: RowBatch,
     algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"],
     singleton: Literal["batch", "zero", "raw"],
+    scale: bool = True,
 ) -> Advantages:
     """The outcome advantages of ``batch``, per row and broadcast to its response tokens (no KL
     reference: :meth:`teamrl.learner.engine.LearnerEngine.train_step` adds it where it is wanted)."""
-    row = row_advantages(batch, algorithm, singleton)
+    row = row_advantages(batch, algorithm, singleton, scale)
     return Advantages(row, broadcast_to_tokens(row, batch.resp_mask))

@@ -101,6 +101,7 @@ class ObjectiveSettings:
 
     algorithm: Literal["grpo", "drmas", "dr_grpo", "at_grpo", "grpo_trajectory"] = config_default("algorithm")
     singleton_advantage: Literal["batch", "zero", "raw"] = config_default("singleton_advantage")
+    advantage_std: bool = config_default("advantage_std")
     reward_source: Literal["step", "trajectory"] = config_default("reward_source")
     objective: Literal["decoupled", "ppo", "ppo-behaviour", "ppo-critic"] = config_default("objective")
     temperature: float = config_default("temperature")

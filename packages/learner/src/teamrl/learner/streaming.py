@@ -109,7 +109,7 @@ class StreamingStep:
         except LearnerError:  # no trainable rows yet
             return 0
         rows = step_rows(batch, eng.adapters, self.weights, eng.settings.optim.happo_factor)
-        data = StepData(rows, outcome(batch, obj.algorithm, obj.singleton_advantage))
+        data = StepData(rows, outcome(batch, obj.algorithm, obj.singleton_advantage, obj.advantage_std))
         final = final_rows(batch, obj.algorithm, obj.singleton_advantage)
         # the chunks the whole step will cut (consecutive rows): all but the last are final already
         chunks = eng.passes.chunks(rows.of_adapter[self.first], self.first, batch.row_lengths)[:-1]
@@ -163,7 +163,7 @@ class StreamingStep:
         eng, obj = self.engine, self.engine.settings.objective
         batch, _ = build_rows(self.batches, eng.adapters, obj.reward_source)
         whole = eng.passes.chunks(batch.rows_of(self.first), self.first, batch.row_lengths)
-        adv = row_advantages(batch, obj.algorithm, obj.singleton_advantage)
+        adv = row_advantages(batch, obj.algorithm, obj.singleton_advantage, obj.advantage_std)
         for c, got, want in zip(self.streamed, self.streamed_adv, whole, strict=False):
             if not torch.equal(c, want) or not torch.allclose(got, adv[c], atol=ADVANTAGE_ATOL, rtol=0):
                 raise LearnerError(
