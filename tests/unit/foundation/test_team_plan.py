@@ -434,6 +434,36 @@ def test_a_bfloat16_learner_on_a_cpu_that_emulates_it_is_warned_of_before_any_pr
         assert ("23x slower" in capsys.readouterr().err) == warned, extra
 
 
+def test_a_balanced_verdict_reward_under_std_scaled_advantages_is_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``balance_verdicts`` with advantages divided by each group's std (which undoes the balance,
+    tests/unit/learner/test_advantage_std.py): said on stderr before any process; not when centred."""
+    import json
+
+    import tomli_w
+
+    from teamrl.cli.plan import plan
+    from teamrl.cli.run import parse_args
+    from teamrl.rollout.workflows import BUILTIN
+
+    model = fake_model(tmp_path / "m", modules=("q_proj", "v_proj"))
+    data = json.loads(json.dumps(BUILTIN["addition-trio"]))
+    verdicts = {"reward": "addition", "verifier_role": "verifier", "accept": "^1", "reject": "^0"}
+    data["reward"] = {"name": "outcome", "kwargs": {**verdicts, "balance_verdicts": True}}
+    balanced = tmp_path / "balanced.toml"
+    balanced.write_text(tomli_w.dumps(data))
+    for workflow, extra, warned in (
+        ("addition-trio", [], False),
+        (str(balanced), [], True),
+        (str(balanced), ["--set", "learner.advantage_std=false"], False),
+        (str(balanced), ["--set", "learner.algorithm=dr_grpo"], False),
+    ):
+        argv = ["--workflow", workflow, "--model", str(model), *extra]
+        plan(parse_args(argv, "teamrl run", None, str(tmp_path / "run")), build=False)
+        assert ("undoes the balance" in capsys.readouterr().err) == warned, (workflow, extra)
+
+
 def test_a_workflow_that_waits_on_the_world_keeps_two_steps_of_groups_in_flight(tmp_path: Path) -> None:
     """With a reward or tool latency, the plan keeps two steps' groups in flight per rollout (the
     waiting ones would otherwise hold every slot); without, one step's."""
