@@ -155,7 +155,7 @@ class LearnerConfig(_Strict):
         description="divide each baseline group's centred rewards by the group's std (GRPO, Dr. MAS); "
         "false: centred only, as Dr. GRPO (dr_grpo is always unscaled). Unscaled, a reward's own "
         "weights survive: outcome's balance_verdicts (docs/real-model.md, 'The group's std undoes a "
-        "balanced verdict reward')",
+        "balanced verdict reward'). Outcome advantages only: ppo-critic's GAE has whiten_advantages",
     )
     reward_source: Literal["step", "trajectory"] = Field(
         "step", description="reward of a row: the agent step's own reward, or the team reward"
