@@ -234,14 +234,16 @@ def _served_as(subs: dict[str, Path], serve: list[tuple[str, str]]) -> dict[str,
 
 
 def _temperature(text: str) -> float:
-    """``--temperature``, refused before any engine starts where vLLM would refuse every request."""
+    """``--temperature``, checked as an agent's ``[agents.sampling]`` temperature is (0 to 2, vLLM's
+    range): refused before any engine starts, not by vLLM on every request."""
+    from pydantic import ValidationError
+
+    from teamrl.rollout.spec import SamplingSpec
+
     try:
-        t = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= t <= 2.0:
-        raise argparse.ArgumentTypeError(f"a temperature from 0 to 2 (as vLLM samples), got {t}")
-    return t
+        return SamplingSpec(temperature=text).temperature
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e.errors()[0]['msg']}") from None
 
 
 def _pair(text: str) -> tuple[str, str]:

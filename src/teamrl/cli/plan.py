@@ -174,21 +174,22 @@ def plan(args: argparse.Namespace, *, build: bool = True) -> RunPlan:
         lrn["profiles"] = team.workflow.profiles()
     validate(cfg)
     _warn_emulated_bfloat16(cfg)
-    _warn_scaled_balanced_verdicts(team.workflow.reward.kwargs, cfg)
+    _warn_scaled_balanced_verdicts(team.workflow.reward_fn(), cfg)
     return RunPlan(team, shown, cfg)
 
 
-def _warn_scaled_balanced_verdicts(reward_kwargs: dict[str, Any], cfg: dict[str, dict[str, Any]]) -> None:
-    """A class-balanced verdict reward (``balance_verdicts``) under advantages divided by each group's
-    std: said on stderr before any process starts. The std undoes the balance and pushes a verifier that
-    cannot tell right from wrong to the majority verdict (docs/algorithms.md §1, "Without the std")."""
-    if not reward_kwargs.get("balance_verdicts"):
+def _warn_scaled_balanced_verdicts(reward: Any, cfg: dict[str, dict[str, Any]]) -> None:
+    """A class-balanced reward (its ``class_balanced``, e.g. ``outcome``'s ``balance_verdicts``; any
+    user reward may set it) under advantages divided by each group's std: said on stderr before any
+    process starts. The std undoes the balance and pushes a verifier that cannot tell right from wrong
+    to the majority verdict (docs/algorithms.md §1, "Without the std")."""
+    if not getattr(reward, "class_balanced", False):
         return
     lrn = cfg.get("learner", {})
     tables = [lrn, *({**lrn, **t} for t in (cfg.get("groups") or {}).values())]
     if any(t.get("advantage_std", True) and t.get("algorithm") != "dr_grpo" for t in tables):
         print(
-            "teamrl: warning: the reward balances verdicts (balance_verdicts) but the learner divides "
+            "teamrl: warning: the reward balances its classes (e.g. balance_verdicts) but the learner divides "
             "advantages by each group's std, which undoes the balance (a verifier that cannot yet check "
             "drifts to the majority verdict); consider --set learner.advantage_std=false "
             "(docs/algorithms.md §1)",

@@ -92,3 +92,9 @@ def test_a_profile_round_keeps_the_training_rewards_class_shares() -> None:
     after = wf.with_profiles({"verifier": "You check the solver's answer."})
     assert after.agent("verifier").profile == "You check the solver's answer."
     assert after.reward_fn() is train and after.reward_fn().answers_seen == seen != {True: 1.0, False: 1.0}
+
+
+def test_the_reward_says_it_is_class_balanced_for_the_plans_warning() -> None:
+    kw = {"reward": "math", "verifier_role": "verifier"}
+    assert get_reward("outcome", **kw, balance_verdicts=True).class_balanced is True
+    assert get_reward("outcome", **kw).class_balanced is False

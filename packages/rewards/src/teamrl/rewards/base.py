@@ -81,6 +81,11 @@ class Reward(Protocol):
     """Every reward: one completion, or one workflow episode; never raises on bad completions.
 
     Both calls may block (sandbox, sympy): the rollout runs ``episode`` in a worker thread.
+
+    Optional attributes, read with ``getattr``: ``verdict(text)`` (a verifier's accept / reject, for
+    the runner's verifier metrics) and ``class_balanced`` (True where act scores are weighted so that
+    each class of outcome counts alike, as ``outcome``'s ``balance_verdicts``: ``teamrl run`` then
+    warns if the learner divides advantages by each group's std, which undoes such weights).
     """
 
     def __call__(self, completion: str, task: Mapping[str, Any]) -> RewardResult:

@@ -160,6 +160,11 @@ class OutcomeReward:
             share = seen[ok] / (seen[True] + seen[False])
         return score / (2.0 * share)
 
+    @property
+    def class_balanced(self) -> bool:
+        """Whether act scores carry class weights (``balance_verdicts``; teamrl.rewards.base.Reward)."""
+        return self.balance_verdicts
+
     def _answers(self, a: ActView) -> bool:
         return a.agent_id == self.answer_agent if self.answer_agent else a.role == self.answer_role
 
